@@ -19,6 +19,7 @@ import torch
 from finsieve.errors import RequestError, invalid
 from finsieve.v1 import chat_pb2
 
+from .hf_runner import HFRunner
 from .loader import LoadedModel
 from .model import SUPPORTED_ARCHITECTURES, CompactLM
 from .sampler import make_generator, sample
@@ -53,12 +54,15 @@ class LLMEngine:
         self.max_batch = limits.max_batch
         self.default_max_tokens = limits.default_max_tokens
         self.policy_version = NO_POLICY
-        arch = model.hf_model.config.model_type
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise NotImplementedError(f"architecture {arch!r} is not supported by the compact forward")
-        # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
-        row_tile = 8 if device.type == "cpu" else 0
-        self.runner = CompactLM(model.hf_model, limits.max_batch, self.max_context, row_tile)
+        self.runner: CompactLM | HFRunner
+        if model.hf_model.config.model_type in SUPPORTED_ARCHITECTURES:
+            # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
+            row_tile = 8 if device.type == "cpu" else 0
+            self.runner = CompactLM(model.hf_model, limits.max_batch, self.max_context, row_tile)
+        else:
+            log.warning("no compact forward for this architecture; using transformers' forward",
+                        architecture=model.hf_model.config.model_type)
+            self.runner = HFRunner(model.hf_model, limits.max_batch)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self.token_bytes = token_byte_table(self.tokenizer.get_vocab(), special)
         self._inbox: queue.SimpleQueue[Sequence | _Cancel] = queue.SimpleQueue()

@@ -10,21 +10,10 @@ from __future__ import annotations
 import torch
 
 
-class SlotKVCache:
-    def __init__(
-        self,
-        n_layers: int,
-        n_slots: int,
-        n_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+class Slots:
+    """Which slots are free, and how many positions each live one holds."""
+
+    def __init__(self, n_slots: int) -> None:
         self.lengths = [0] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))
 
@@ -46,5 +35,22 @@ class SlotKVCache:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
         self.lengths[slot] = length
 
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+
+class SlotKVCache(Slots):
+    """Slots backed by one K and one V tensor: (layer, slot, kv_head, position, head_dim)."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(n_slots)
+        shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 log = structlog.get_logger(__name__)
@@ -70,6 +71,9 @@ def default_model_dir(state_dir: Path) -> Path:
 
 
 def load_model(model: str, state_dir: Path, device: torch.device) -> LoadedModel:
+    # transformers' progress bars and advice belong to a notebook, not a server's log.
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     path = Path(model).expanduser() if model else default_model_dir(state_dir)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"--model {path}: not a Hugging Face model directory (no config.json)")

@@ -1,0 +1,133 @@
+"""The `finsieve` command: serve, chat."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from finsieve.config import ConfigError, Settings, settings_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"finsieve: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finsieve", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    s = sub.add_parser(
+        "serve",
+        help="run the gateway and/or an engine",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="environment:\n" + "\n".join(f"  {n:32} {h}" for n, _, h in settings_table()),
+    )
+    s.add_argument("--role", choices=["all", "engine", "gateway"])
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--engine-port", type=int)
+    s.add_argument("--engine", dest="engines", action="append", metavar="ADDR",
+                   help="engine host:port (role gateway; repeat for several)")
+    s.add_argument("--model", metavar="PATH", help="Hugging Face model directory")
+    s.add_argument("--rules", metavar="DIR")
+    s.add_argument("--state-dir", metavar="DIR")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    s.add_argument("--max-batch", type=int)
+    s.add_argument("--max-context", type=int)
+    s.set_defaults(run=_serve)
+
+    c = sub.add_parser("chat", help="stream one answer from a gateway")
+    c.add_argument("question")
+    c.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
+    c.add_argument("--max-tokens", type=int, default=0)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--seed", type=int)
+    c.add_argument("--stop", action="append", default=[])
+    c.add_argument("--json", action="store_true",
+                   help="one JSON object per server event on stdout, nothing else")
+    c.set_defaults(run=_chat)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from finsieve import logs
+    from finsieve.serve import serve
+
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if k in Settings.__dataclass_fields__
+    }
+    settings = Settings.load(overrides)
+    logs.configure(settings.log_format, settings.log_level)
+    try:
+        asyncio.run(serve(settings))
+    except Exception as e:  # a startup failure: one clear line, no stack trace
+        from finsieve.engine.loader import ModelLoadError
+        from finsieve.valkey import RedisUnavailable
+
+        if isinstance(e, (ModelLoadError, RedisUnavailable, OSError)):
+            print(f"finsieve serve: {e}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from finsieve.client import chat_request, stream_one
+
+    request = chat_request(
+        "cli-1", args.question, max_tokens=args.max_tokens, temperature=args.temperature,
+        seed=args.seed, stop=args.stop,
+    )
+
+    async def run() -> int:
+        code = 0
+        async for event in stream_one(args.target, request):
+            kind = event.WhichOneof("event")
+            if args.json:
+                print(json_format.MessageToJson(
+                    event, preserving_proto_field_name=True, indent=None), flush=True)
+            elif kind == "delta":
+                print(event.delta.text, end="", flush=True)
+            elif kind == "finished":
+                f = event.finished
+                print()
+                print(f"[{_name(f.finish_reason)}, {f.usage.completion_tokens} tokens]",
+                      file=sys.stderr)
+            if kind == "error":
+                code = 1
+                if not args.json:
+                    print(f"finsieve chat: {_STATUS_NAMES.get(event.error.code)}: "
+                          f"{event.error.message}", file=sys.stderr)
+        return code
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"finsieve chat: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def _name(reason: int) -> str:
+    from finsieve.v1 import chat_pb2
+
+    return chat_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
+
+
+_STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

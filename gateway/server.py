@@ -1,0 +1,148 @@
+"""The public Gateway service: validates chat requests and relays them to engines.
+
+Each Chat stream multiplexes many requests by the client's request_id. The gateway gives
+each one an internal id for the engine and maps events back. On SIGTERM it drains: new
+requests are refused, requests in flight may finish until the deadline, then streams end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from finsieve.errors import RequestError, invalid
+from finsieve.v1 import chat_pb2, chat_pb2_grpc
+
+from .engines import TERMINAL, EngineClient, EnginePool
+from .validation import Limits, validate
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    internal_id: str
+    engine: EngineClient | None = None  # set once the engine accepted it
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One client's Chat stream: its outbox and its requests in flight by client id."""
+
+    out: asyncio.Queue[chat_pb2.ChatServerMessage | None] = field(default_factory=asyncio.Queue)
+    in_flight: dict[str, _InFlight] = field(default_factory=dict)
+    reading_done: bool = False
+
+    def close_if_idle(self, draining: bool) -> None:
+        if (self.reading_done or draining) and not self.in_flight:
+            self.out.put_nowait(None)
+
+
+class GatewayService(chat_pb2_grpc.GatewayServicer):
+    def __init__(self, engines: EnginePool, limits: Limits) -> None:
+        self.engines = engines
+        self.limits = limits
+        self.draining = False
+        self._streams: set[_Stream] = set()
+
+    async def Chat(
+        self,
+        request_iterator: AsyncIterator[chat_pb2.ChatClientMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[chat_pb2.ChatServerMessage]:
+        stream = _Stream()
+        self._streams.add(stream)
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            while (msg := await stream.out.get()) is not None:
+                yield msg
+        finally:
+            reader.cancel()
+            self._streams.discard(stream)
+            for flight in stream.in_flight.values():
+                if flight.engine is not None:
+                    await flight.engine.cancel(flight.internal_id)
+
+    async def _read(
+        self, requests: AsyncIterator[chat_pb2.ChatClientMessage], stream: _Stream
+    ) -> None:
+        try:
+            async for msg in requests:
+                if msg.WhichOneof("msg") == "cancel":
+                    flight = stream.in_flight.get(msg.cancel.request_id)
+                    if flight is not None and flight.engine is not None:
+                        await flight.engine.cancel(flight.internal_id)
+                elif msg.WhichOneof("msg") == "request":
+                    await self._start(msg.request, stream)
+        except grpc.aio.AioRpcError:
+            pass  # the client went away; Chat's finally cancels its requests
+        stream.reading_done = True
+        stream.close_if_idle(self.draining)
+
+    async def _start(self, req: chat_pb2.ChatRequest, stream: _Stream) -> None:
+        client_id = req.request_id
+        try:
+            if self.draining:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry elsewhere"
+                )
+            validate(req, self.limits)
+            if client_id in stream.in_flight:
+                raise invalid("request_id", "a request with this id is already in flight on this stream")
+        except RequestError as e:
+            stream.out.put_nowait(e.to_event(client_id))
+            return
+        flight = _InFlight(self.engines.new_id())
+        stream.in_flight[client_id] = flight
+        started = time.monotonic()
+
+        def relay(event: chat_pb2.ChatServerMessage) -> None:
+            event.request_id = client_id
+            stream.out.put_nowait(event)
+            kind = event.WhichOneof("event")
+            if kind in TERMINAL:
+                stream.in_flight.pop(client_id, None)
+                _log_outcome(event, started)
+                stream.close_if_idle(self.draining)
+
+        internal = chat_pb2.ChatRequest()
+        internal.CopyFrom(req)
+        internal.request_id = flight.internal_id
+        try:
+            flight.engine = await self.engines.submit(internal, relay)
+        except RequestError as e:
+            relay(e.to_event(client_id))
+
+    def in_flight(self) -> int:
+        return sum(len(s.in_flight) for s in self._streams)
+
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new requests; wait up to deadline_s for those in flight; end idle streams."""
+        self.draining = True
+        for s in self._streams:
+            s.close_if_idle(True)
+        end = time.monotonic() + deadline_s
+        while self.in_flight() and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = self.in_flight()
+        log.info("drained", unfinished=left)
+
+
+def _log_outcome(event: chat_pb2.ChatServerMessage, started: float) -> None:
+    # Outcomes only: prompts and answers belong to the audit trail, never to logs.
+    if event.WhichOneof("event") == "error":
+        log.info("request failed", code=event.error.code, field=event.error.field)
+    else:
+        f = event.finished
+        log.info(
+            "request finished",
+            finish_reason=chat_pb2.FinishReason.Name(f.finish_reason),
+            prompt_tokens=f.usage.prompt_tokens,
+            completion_tokens=f.usage.completion_tokens,
+            seconds=round(time.monotonic() - started, 3),
+        )
