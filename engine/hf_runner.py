@@ -6,6 +6,8 @@ same interface as CompactLM, rollback included (the cache is cropped to the slot
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
@@ -19,6 +21,9 @@ class HFRunner:
         self.device = next(hf_model.parameters()).device
         self.cache = Slots(n_slots)
         self._past: dict[int, DynamicCache] = {}
+        # transformers renames `past_key_values` to `cache` in newer releases.
+        params = inspect.signature(hf_model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], slot: int) -> Tensor:
@@ -29,10 +34,10 @@ class HFRunner:
         elif past.get_seq_length() > length:
             past.crop(length)  # a rollback since the last call
         ids = torch.tensor([token_ids], device=self.device)
-        out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-        self._past[slot] = out.past_key_values
+        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: past}).logits
+        self._past[slot] = past  # filled in place by the forward
         self.cache.lengths[slot] = length + len(token_ids)
-        return out.logits[0, -1]
+        return logits[0, -1]
 
     def decode(self, token_ids: list[int], slots: list[int]) -> Tensor:
         return torch.stack([self.prefill([t], s) for t, s in zip(token_ids, slots, strict=True)])

@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int)
     s.set_defaults(run=_serve)
 
+    m = sub.add_parser("model", help="manage the embedded default model")
+    m_sub = m.add_subparsers(required=True, metavar="ACTION")
+    mp = m_sub.add_parser("prepare", help="convert the default GGUF to safetensors (once)")
+    mp.add_argument("--state-dir", metavar="DIR")
+    mp.set_defaults(run=_model_prepare)
+
     c = sub.add_parser("chat", help="stream one answer from a gateway")
     c.add_argument("question")
     c.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
@@ -56,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--seed", type=int)
     c.add_argument("--stop", action="append", default=[])
+    c.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                   help="wait up to SECONDS for the gateway to come up")
     c.add_argument("--json", action="store_true",
                    help="one JSON object per server event on stdout, nothing else")
     c.set_defaults(run=_chat)
@@ -84,8 +92,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_prepare(args: argparse.Namespace) -> int:
+    from finsieve.engine.loader import ModelLoadError, default_model_dir
+
+    settings = Settings.load({"state_dir": args.state_dir})
+    try:
+        print(default_model_dir(settings.state_path))
+    except ModelLoadError as e:
+        print(f"finsieve model prepare: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _chat(args: argparse.Namespace) -> int:
-    from finsieve.client import chat_request, stream_one
+    from finsieve.client import chat_request, stream_one, wait_ready
 
     request = chat_request(
         "cli-1", args.question, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -94,6 +114,9 @@ def _chat(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         code = 0
+        if args.wait and not await wait_ready(args.target, args.wait):
+            print(f"finsieve chat: {args.target}: not serving after {args.wait:g} s", file=sys.stderr)
+            return 1
         async for event in stream_one(args.target, request):
             kind = event.WhichOneof("event")
             if args.json:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from finsieve.grpc_server import CHANNEL_OPTIONS
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
@@ -30,6 +31,23 @@ def chat_request(
         messages=[chat_pb2.Message(role="user", content=question)],
         params=params,
     )
+
+
+async def wait_ready(target: str, timeout: float) -> bool:
+    """Wait until the server's health check says SERVING; False after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while loop.time() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    return False
 
 
 def is_terminal(event: chat_pb2.ChatServerMessage) -> bool:

