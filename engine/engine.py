@@ -36,6 +36,7 @@ class EngineLimits:
     max_batch: int
     max_context: int
     default_max_tokens: int
+    batch_invariant: bool = True
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class LLMEngine:
         self.runner: CompactLM | HFRunner
         if model.hf_model.config.model_type in SUPPORTED_ARCHITECTURES:
             # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
-            row_tile = 8 if device.type == "cpu" else 0
+            row_tile = 8 if device.type == "cpu" and limits.batch_invariant else 0
             self.runner = CompactLM(model.hf_model, limits.max_batch, self.max_context, row_tile)
         else:
             log.warning("no compact forward for this architecture; using transformers' forward",

@@ -36,6 +36,9 @@ class Settings:
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
     max_batch: int = _setting(8, "sequences decoded together (KV cache slots)")
     max_context: int = _setting(2048, "tokens per sequence, prompt + completion")
+    batch_invariant: bool = _setting(
+        True, "CPU: fixed 8-row matmul tiles so an answer never depends on the batch"
+    )
     max_tokens_limit: int = _setting(1024, "largest max_tokens a request may ask for")
     default_max_tokens: int = _setting(256, "max_tokens when a request leaves it unset")
     max_input_bytes: int = _setting(262144, "largest total size of a request's messages")

@@ -50,7 +50,8 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
 
     device = resolve_device(settings.device)
     model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
-    limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens)
+    limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
+                          settings.batch_invariant)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     thread = threading.Thread(target=engine.run, name="engine-loop", daemon=True)
     thread.start()
