@@ -41,6 +41,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _quiet_transformers() -> None:
+    # transformers' progress bars and advice belong to a notebook, not a server's log.
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def default_model_dir(state_dir: Path) -> Path:
     """The embedded default model as safetensors, converted from its GGUF on first use."""
     target = state_dir / "models" / DEFAULT_MODEL_NAME
@@ -54,6 +60,7 @@ def default_model_dir(state_dir: Path) -> Path:
         )
     gguf_dir = Path(next(iter(spec.submodule_search_locations)))
     log.info("converting default model", gguf=DEFAULT_GGUF, target=str(target))
+    _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32
@@ -71,9 +78,7 @@ def default_model_dir(state_dir: Path) -> Path:
 
 
 def load_model(model: str, state_dir: Path, device: torch.device) -> LoadedModel:
-    # transformers' progress bars and advice belong to a notebook, not a server's log.
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    _quiet_transformers()
     path = Path(model).expanduser() if model else default_model_dir(state_dir)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"--model {path}: not a Hugging Face model directory (no config.json)")
