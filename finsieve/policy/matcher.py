@@ -1,0 +1,248 @@
+"""The streaming matcher: one per sequence, fed the bytes of each token.
+
+After every token it knows the matches completed so far and the **safe point**: the raw
+byte offset before which no match can start any more. Everything before it may be
+released to the client; the rest is held back. It keeps a checkpoint per token, so a
+rollback (SAR) to an earlier token is cheap.
+
+Literals: a pyahocorasick iterator fed the new normalized characters, plus the depth of
+the longest live suffix (the longest suffix of the text that still begins a pattern).
+pyahocorasick keeps no restorable state, so a rollback re-feeds the last few characters.
+Regexes: searched with partial matching over a bounded window; a complete match that
+touches the end of the text may still grow and is only settled by the next character.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .normalize import Normalizer
+from .pack import RuleSet
+from .schema import Rule
+from .validators import VALIDATORS
+
+
+@dataclass(frozen=True)
+class Match:
+    rule: Rule
+    start: int  # raw byte offsets of the matched text
+    end: int
+    norm_start: int  # … and normalized character offsets
+    norm_end: int
+    text: str  # the normalized text that matched
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    raw_len: int
+    decoded_len: int
+    pending: bytes
+    n_norm: int
+    last_end: int
+    depth: int
+    scan_from: tuple[int, ...]
+    hold: int
+    n_matches: int
+
+
+class StreamMatcher:
+    def __init__(self, rules: RuleSet) -> None:
+        self.rules = rules
+        self.norm = Normalizer()
+        self.raw = bytearray()
+        self.matches: list[Match] = []
+        self.depth = 0  # length of the longest live literal suffix
+        self._tail = ""  # the last characters of the normalized text, for literal depth
+        self._it = None
+        self._it_base = 0  # normalized index of the iterator's position 0
+        self._scan_from = [0] * len(rules.regexes)
+        self._hold = 0  # earliest start of a regex match still in the making
+        self._checkpoints = [self._snapshot()]
+
+    # -- feeding ----------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> list[Match]:
+        """Feed one token's bytes; return the matches it completed."""
+        self.raw += data
+        n = self.norm.feed(data)
+        found: list[Match] = []
+        if n:
+            new = "".join(self.norm.text[-n:])
+            self._literals(new, found)
+            self._regexes(found, final=False)
+        self._checkpoints.append(self._snapshot())
+        return found
+
+    def finish(self) -> list[Match]:
+        """The stream ended: settle regex matches that were waiting for more text."""
+        found: list[Match] = []
+        self._regexes(found, final=True)
+        self.depth = 0
+        return found
+
+    @property
+    def text(self) -> str:
+        return "".join(self.norm.text)
+
+    # -- what may be released -----------------------------------------------------------
+
+    @property
+    def safe_point(self) -> int:
+        """Raw byte offset before which text is final; pending UTF-8 bytes count as held back."""
+        n = len(self.norm.text)
+        first_unsafe = min(n - self.depth, self._hold)
+        if first_unsafe < n:
+            return self.norm.raw_start[first_unsafe]
+        return self.norm.decoded_len
+
+    @property
+    def tokens(self) -> int:
+        return len(self._checkpoints) - 1
+
+    def rollback(self, tokens: int) -> None:
+        """Return to the state after the first `tokens` tokens (drops later matches too)."""
+        if not 0 <= tokens <= self.tokens:
+            raise ValueError(f"cannot roll back to token {tokens} of {self.tokens}")
+        cp = self._checkpoints[tokens]
+        del self._checkpoints[tokens + 1 :]
+        del self.raw[cp.raw_len :]
+        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end)
+        del self.matches[cp.n_matches :]
+        self.depth, self._hold = cp.depth, cp.hold
+        self._scan_from = list(cp.scan_from)
+        keep = max(self.rules.max_literal - 1, 0)
+        self._tail = "".join(self.norm.text[-keep:]) if keep else ""
+        self._it = None
+        if self.rules.automaton is not None and self._tail:
+            # Re-feed the suffix that decides the automaton's state; its matches are old.
+            self._it_base = cp.n_norm - len(self._tail)
+            self._it = self.rules.automaton.iter(self._tail)
+            for _ in self._it:
+                pass
+
+    def render(self, start: int, end: int) -> str:
+        """Raw text between byte offsets, with every redact/rewrite match replaced."""
+        out, pos = [], start
+        for m in sorted(self.matches, key=lambda m: m.start):
+            if m.rule.action not in ("redact", "rewrite") or m.end <= pos or m.start >= end:
+                continue
+            out.append(self.raw[pos : max(pos, m.start)].decode("utf-8", "replace"))
+            out.append(m.rule.replacement)
+            pos = max(pos, m.end)
+        out.append(self.raw[pos:end].decode("utf-8", "replace") if pos < end else "")
+        return "".join(out)
+
+    # -- literals -----------------------------------------------------------------------
+
+    def _literals(self, new: str, found: list[Match]) -> None:
+        automaton = self.rules.automaton
+        if automaton is None:
+            return
+        n = len(self.norm.text)
+        if self._it is None:
+            self._it_base = n - len(new)
+            self._it = automaton.iter(new)
+        else:
+            self._it.set(new, False)
+        for end, (pattern, owners) in self._it:
+            end_excl = self._it_base + end + 1
+            start = end_excl - len(pattern)
+            for rule in owners:
+                found.append(self._match(rule, start, end_excl))
+        keep = self.rules.max_literal - 1
+        self._tail = (self._tail + new)[-keep:] if keep > 0 else ""
+        self.depth = self._live_depth(min(self.depth + len(new), len(self._tail)))
+
+    def _live_depth(self, longest: int) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a pattern."""
+        automaton = self.rules.automaton
+        for length in range(longest, 0, -1):
+            suffix = self._tail[-length:]
+            if automaton.match(suffix) and (
+                suffix in self.rules.prefix_of_longer or not automaton.exists(suffix)
+            ):
+                return length
+        return 0
+
+    # -- regexes ------------------------------------------------------------------------
+
+    def _regexes(self, found: list[Match], final: bool) -> None:
+        regexes = self.rules.regexes
+        if not regexes:
+            return
+        n = len(self.norm.text)
+        starts = [max(self._scan_from[i], n - r.max_span) for i, r in enumerate(regexes)]
+        lo = min(starts)
+        # A little context before the window, for lookbehinds and \b.
+        base = max(0, lo - 8)
+        window = "".join(self.norm.text[base:])
+        if self.rules.any_regex is not None:
+            m = self.rules.any_regex.search(window, pos=lo - base, partial=True)
+            if m is None or (m.partial and m.start() + base >= n):
+                self._scan_from = [n] * len(regexes)
+                self._hold = n
+                return
+        hold = n
+        for i, r in enumerate(regexes):
+            pos = starts[i]
+            while True:
+                m = r.pattern.search(window, pos=pos - base, partial=True)
+                if m is None:
+                    pos = n
+                    break
+                s, e = m.start() + base, m.end() + base
+                if m.partial and final:  # the text ended before the match could
+                    pos = n
+                    break
+                if m.partial or (e >= n and not final):
+                    if s < n:
+                        hold = min(hold, s)  # still in the making: hold it back
+                    pos = min(s, n)
+                    break
+                if e == s:  # an empty match says nothing
+                    pos = s + 1
+                    continue
+                text = window[s - base : e - base]
+                if all(VALIDATORS[v](text) for v in r.rule.validators):
+                    found.append(self._match(r.rule, s, e))
+                    pos = e
+                else:
+                    pos = s + 1  # not a real identifier; a match may still start later
+            self._scan_from[i] = pos
+        self._hold = hold
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def _match(self, rule: Rule, start: int, end: int) -> Match:
+        m = Match(
+            rule=rule,
+            start=self.norm.raw_start[start],
+            end=self.norm.raw_end[end - 1],
+            norm_start=start,
+            norm_end=end,
+            text="".join(self.norm.text[start:end]),
+        )
+        self.matches.append(m)
+        return m
+
+    def _snapshot(self) -> _Checkpoint:
+        norm = self.norm
+        return _Checkpoint(
+            raw_len=norm.raw_len,
+            decoded_len=norm.decoded_len,
+            pending=norm.pending,
+            n_norm=len(norm.text),
+            last_end=norm.raw_end[-1] if norm.raw_end else 0,
+            depth=self.depth,
+            scan_from=tuple(self._scan_from),
+            hold=self._hold,
+            n_matches=len(self.matches),
+        )
+
+
+def scan_text(rules: RuleSet, text: str) -> list[Match]:
+    """All matches in a whole text (input rules, tests)."""
+    matcher = StreamMatcher(rules)
+    matcher.feed(text.encode())
+    matcher.finish()
+    return matcher.matches

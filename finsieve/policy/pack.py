@@ -1,0 +1,106 @@
+"""A compiled rule pack: an Aho-Corasick automaton and regexes per scope, and its version."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+
+import ahocorasick
+import regex
+
+from .schema import REGEX_FLAGS, Rule, load_rules
+
+FORMAT = 1  # bump when compilation changes what a version means
+
+
+@dataclass(frozen=True)
+class CompiledRegex:
+    rule: Rule
+    pattern: regex.Pattern[str]
+    max_span: int
+
+
+class RuleSet:
+    """The rules of one scope (input or output), compiled for streaming matching."""
+
+    def __init__(self, rules: list[Rule]) -> None:
+        self.rules = tuple(rules)
+        literals: dict[str, list[Rule]] = {}
+        for rule in rules:
+            if rule.kind == "literal":
+                for p in rule.patterns:
+                    literals.setdefault(p, []).append(rule)
+        self.literals = literals
+        self.automaton: ahocorasick.Automaton | None = None
+        if literals:
+            self.automaton = ahocorasick.Automaton()
+            for p, owners in literals.items():
+                self.automaton.add_word(p, (p, tuple(owners)))
+            self.automaton.make_automaton()
+        keys = sorted(literals)
+        # A key that begins a longer key stays a live partial match after it completes.
+        self.prefix_of_longer = frozenset(
+            a for a, b in zip(keys, keys[1:], strict=False) if b.startswith(a)
+        )
+        self.max_literal = max((len(p) for p in literals), default=0)
+        self.regexes = [
+            CompiledRegex(rule, regex.compile(p, REGEX_FLAGS), rule.max_span)
+            for rule in rules if rule.kind == "regex" for p in rule.patterns
+        ]
+        self.max_regex_span = max((r.max_span for r in self.regexes), default=0)
+        # One search over all regexes tells, for most tokens, that none can match at all.
+        self.any_regex: regex.Pattern[str] | None = None
+        if self.regexes:
+            try:
+                self.any_regex = regex.compile(
+                    "|".join(f"(?:{r.pattern.pattern})" for r in self.regexes), REGEX_FLAGS
+                )
+            except regex.error:  # e.g. the same group name in two patterns
+                self.any_regex = None
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def literal_patterns(self, actions: tuple[str, ...]) -> list[str]:
+        return sorted(p for p, owners in self.literals.items()
+                      if any(r.action in actions for r in owners))
+
+
+@dataclass(frozen=True)
+class PackInfo:
+    version: str
+    rules: int
+    source: str
+
+
+class Pack:
+    """An immutable compiled pack. Holders of an old pack keep it across a reload."""
+
+    def __init__(self, rules: list[Rule], source: str = "") -> None:
+        self.rules = tuple(rules)
+        self.source = source
+        self.version = _version(rules)
+        self.input = RuleSet([r for r in rules if r.applies_to_input])
+        self.output = RuleSet([r for r in rules if r.applies_to_output])
+
+    @classmethod
+    def load(cls, directory: Path) -> Pack:
+        """Load and compile; raises schema.PackError listing every problem."""
+        return cls(load_rules(directory), str(directory))
+
+    @cached_property
+    def info(self) -> PackInfo:
+        return PackInfo(self.version, len(self.rules), self.source)
+
+    def rule(self, rule_id: str) -> Rule | None:
+        return next((r for r in self.rules if r.id == rule_id), None)
+
+
+def _version(rules: list[Rule]) -> str:
+    """Content hash of what is enforced: the compiled rules, not file names or comments."""
+    canon = [{k: v for k, v in asdict(r).items() if k != "source"} for r in sorted(rules, key=lambda r: r.id)]
+    blob = json.dumps({"format": FORMAT, "rules": canon}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
