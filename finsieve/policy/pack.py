@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -43,7 +44,7 @@ class RuleSet:
         keys = sorted(literals)
         # A key that begins a longer key stays a live partial match after it completes.
         self.prefix_of_longer = frozenset(
-            a for a, b in zip(keys, keys[1:], strict=False) if b.startswith(a)
+            a for a, b in itertools.pairwise(keys) if b.startswith(a)
         )
         self.max_literal = max((len(p) for p in literals), default=0)
         self.regexes = [
