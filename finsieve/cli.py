@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import random
 import sys
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -55,6 +59,17 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("--state-dir", metavar="DIR")
     mp.set_defaults(run=_model_prepare)
 
+    r = sub.add_parser("rules", help="check rule packs, scan text with them")
+    r_sub = r.add_subparsers(required=True, metavar="ACTION")
+    rc = r_sub.add_parser("check", help="validate DIR; print its policy version, or every problem")
+    rc.add_argument("directory", type=Path)
+    rc.set_defaults(run=_rules_check)
+    rs = r_sub.add_parser("scan", help="print one JSON object per match in the text on stdin")
+    rs.add_argument("directory", type=Path)
+    rs.add_argument("--scope", choices=["input", "output"], default="output")
+    rs.add_argument("--seed", type=int, help="seed of the random chunking (default: random)")
+    rs.set_defaults(run=_rules_scan)
+
     c = sub.add_parser("chat", help="stream one answer from a gateway")
     c.add_argument("question")
     c.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
@@ -101,6 +116,51 @@ def _model_prepare(args: argparse.Namespace) -> int:
     except ModelLoadError as e:
         print(f"finsieve model prepare: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _rules_check(args: argparse.Namespace) -> int:
+    from finsieve.policy.pack import Pack
+    from finsieve.policy.schema import PackError
+
+    try:
+        pack = Pack.load(args.directory)
+    except PackError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        return 1
+    kinds = Counter(r.kind for r in pack.rules)
+    print(f"policy version {pack.version}: {len(pack.rules)} rules "
+          f"({kinds['literal']} literal, {kinds['regex']} regex)")
+    return 0
+
+
+def _rules_scan(args: argparse.Namespace) -> int:
+    """Feed stdin through the streaming matcher in small random chunks, as tokens arrive."""
+    from finsieve.policy.matcher import StreamMatcher
+    from finsieve.policy.pack import Pack
+    from finsieve.policy.schema import PackError
+
+    try:
+        pack = Pack.load(args.directory)
+    except PackError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        return 1
+    data = sys.stdin.buffer.read()
+    rng = random.Random(args.seed)
+    matcher = StreamMatcher(pack.input if args.scope == "input" else pack.output)
+    pos = 0
+    while pos < len(data):
+        size = rng.randint(1, 6)  # may split a UTF-8 character, as a BPE token does
+        matcher.feed(data[pos : pos + size])
+        pos += size
+    matcher.finish()
+    for m in sorted(matcher.matches, key=lambda m: (m.start, m.rule.id)):
+        start = len(data[: m.start].decode("utf-8", "replace"))
+        text = data[m.start : m.end].decode("utf-8", "replace")
+        print(json.dumps({"rule_id": m.rule.id, "action": m.rule.action, "start": start,
+                          "end": start + len(text), "text": text}, ensure_ascii=False))
     return 0
 
 

@@ -110,13 +110,13 @@ class StreamMatcher:
         del self.matches[cp.n_matches :]
         self.depth, self._hold = cp.depth, cp.hold
         self._scan_from = list(cp.scan_from)
-        keep = max(self.rules.max_literal - 1, 0)
+        keep = max(self.rules.literals.max_len - 1, 0)
         self._tail = "".join(self.norm.text[-keep:]) if keep else ""
         self._it = None
-        if self.rules.automaton is not None and self._tail:
+        if self.rules.literals.automaton is not None and self._tail:
             # Re-feed the suffix that decides the automaton's state; its matches are old.
             self._it_base = cp.n_norm - len(self._tail)
-            self._it = self.rules.automaton.iter(self._tail)
+            self._it = self.rules.literals.automaton.iter(self._tail)
             for _ in self._it:
                 pass
 
@@ -135,7 +135,7 @@ class StreamMatcher:
     # -- literals -----------------------------------------------------------------------
 
     def _literals(self, new: str, found: list[Match]) -> None:
-        automaton = self.rules.automaton
+        automaton = self.rules.literals.automaton
         if automaton is None:
             return
         n = len(self.norm.text)
@@ -149,20 +149,9 @@ class StreamMatcher:
             start = end_excl - len(pattern)
             for rule in owners:
                 found.append(self._match(rule, start, end_excl))
-        keep = self.rules.max_literal - 1
+        keep = self.rules.literals.max_len - 1
         self._tail = (self._tail + new)[-keep:] if keep > 0 else ""
-        self.depth = self._live_depth(min(self.depth + len(new), len(self._tail)))
-
-    def _live_depth(self, longest: int) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a pattern."""
-        automaton = self.rules.automaton
-        for length in range(longest, 0, -1):
-            suffix = self._tail[-length:]
-            if automaton.match(suffix) and (
-                suffix in self.rules.prefix_of_longer or not automaton.exists(suffix)
-            ):
-                return length
-        return 0
+        self.depth = self.rules.literals.depth(self._tail, self.depth + len(new))
 
     # -- regexes ------------------------------------------------------------------------
 

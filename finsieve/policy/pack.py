@@ -24,6 +24,37 @@ class CompiledRegex:
     max_span: int
 
 
+class Literals:
+    """An Aho-Corasick automaton over literal patterns, and the live-suffix questions on it."""
+
+    def __init__(self, values: dict[str, object]) -> None:
+        self.keys = tuple(sorted(values))
+        self.automaton: ahocorasick.Automaton | None = None
+        if values:
+            self.automaton = ahocorasick.Automaton()
+            for p, value in values.items():
+                self.automaton.add_word(p, value)
+            self.automaton.make_automaton()
+        # A key that begins a longer key stays a live partial match after it completes.
+        self.proper_prefixes = frozenset(
+            a for a, b in itertools.pairwise(self.keys) if b.startswith(a)
+        )
+        self.max_len = max((len(p) for p in self.keys), default=0)
+
+    def is_live(self, s: str) -> bool:
+        """Is s a proper prefix of some pattern (so a match may still grow from it)?"""
+        a = self.automaton
+        return a is not None and a.match(s) and (s in self.proper_prefixes or not a.exists(s))
+
+    def depth(self, text: str, longest: int | None = None) -> int:
+        """Length of the longest suffix of text (at most `longest`) that is live."""
+        top = min(len(text), self.max_len - 1 if longest is None else longest)
+        for length in range(top, 0, -1):
+            if self.is_live(text[-length:]):
+                return length
+        return 0
+
+
 class RuleSet:
     """The rules of one scope (input or output), compiled for streaming matching."""
 
@@ -34,19 +65,7 @@ class RuleSet:
             if rule.kind == "literal":
                 for p in rule.patterns:
                     literals.setdefault(p, []).append(rule)
-        self.literals = literals
-        self.automaton: ahocorasick.Automaton | None = None
-        if literals:
-            self.automaton = ahocorasick.Automaton()
-            for p, owners in literals.items():
-                self.automaton.add_word(p, (p, tuple(owners)))
-            self.automaton.make_automaton()
-        keys = sorted(literals)
-        # A key that begins a longer key stays a live partial match after it completes.
-        self.prefix_of_longer = frozenset(
-            a for a, b in itertools.pairwise(keys) if b.startswith(a)
-        )
-        self.max_literal = max((len(p) for p in literals), default=0)
+        self.literals = Literals({p: (p, tuple(owners)) for p, owners in literals.items()})
         self.regexes = [
             CompiledRegex(rule, regex.compile(p, REGEX_FLAGS), rule.max_span)
             for rule in rules if rule.kind == "regex" for p in rule.patterns
@@ -66,8 +85,9 @@ class RuleSet:
         return bool(self.rules)
 
     def literal_patterns(self, actions: tuple[str, ...]) -> list[str]:
-        return sorted(p for p, owners in self.literals.items()
-                      if any(r.action in actions for r in owners))
+        """Literal patterns of rules with one of these actions (the mask takes `block`)."""
+        return sorted({p for r in self.rules if r.kind == "literal" and r.action in actions
+                       for p in r.patterns})
 
 
 @dataclass(frozen=True)
