@@ -160,12 +160,12 @@ class StreamMatcher:
         if not regexes:
             return
         n = len(self.norm.text)
-        starts = [max(self._scan_from[i], n - r.max_span) for i, r in enumerate(regexes)]
+        starts = self._scan_from
         lo = min(starts)
         # A little context before the window, for lookbehinds and \b.
         base = max(0, lo - 8)
         window = "".join(self.norm.text[base:])
-        if self.rules.any_regex is not None:
+        if self.rules.any_regex is not None and not final:
             m = self.rules.any_regex.search(window, pos=lo - base, partial=True)
             if m is None or (m.partial and m.start() + base >= n):
                 self._scan_from = [n] * len(regexes)
@@ -175,15 +175,16 @@ class StreamMatcher:
         for i, r in enumerate(regexes):
             pos = starts[i]
             while True:
-                m = r.pattern.search(window, pos=pos - base, partial=True)
+                # At the end of the stream a match is what it is: no more partials.
+                m = r.pattern.search(window, pos=pos - base, partial=not final)
                 if m is None:
                     pos = n
                     break
                 s, e = m.start() + base, m.end() + base
-                if m.partial and final:  # the text ended before the match could
-                    pos = n
-                    break
                 if m.partial or (e >= n and not final):
+                    if n - s >= r.max_span:  # longer than the rule allows: it never matches
+                        pos = s + 1
+                        continue
                     if s < n:
                         hold = min(hold, s)  # still in the making: hold it back
                     pos = min(s, n)

@@ -132,7 +132,7 @@ def _load_file(path: Path, root: Path) -> tuple[list[tuple[Rule, int]], list[Pro
     definitions: dict[str, str] = {}
     if "definitions" in top:
         defs = _mapping(top["definitions"][1], name, "", "definitions", problems) or {}
-        for key, (node, _) in defs.items():
+        for key, (_, node) in defs.items():
             value = _scalar(node)
             if not isinstance(value, str) or not value:
                 problems.append(Problem(name, _line(node), "", f"definitions.{key}",
