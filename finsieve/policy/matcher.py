@@ -9,7 +9,8 @@ Literals: a pyahocorasick iterator fed the new normalized characters, plus the d
 the longest live suffix (the longest suffix of the text that still begins a pattern).
 pyahocorasick keeps no restorable state, so a rollback re-feeds the last few characters.
 Regexes: searched with partial matching over a bounded window; a complete match that
-touches the end of the text may still grow and is only settled by the next character.
+could still grow into a longer one (the rest of the text is a prefix of a match from the
+same start) is held until it is settled.
 """
 
 from __future__ import annotations
@@ -181,7 +182,12 @@ class StreamMatcher:
                     pos = n
                     break
                 s, e = m.start() + base, m.end() + base
-                if m.partial or (e >= n and not final):
+                # `regex` prefers a complete match to a partial one: "15%" is complete in
+                # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
+                growing = not final and (
+                    m.partial or r.pattern.fullmatch(window, pos=s - base, partial=True) is not None
+                )
+                if growing:
                     if n - s >= r.max_span:  # longer than the rule allows: it never matches
                         pos = s + 1
                         continue
