@@ -188,7 +188,9 @@ class StreamMatcher:
                     m.partial or r.pattern.fullmatch(window, pos=s - base, partial=True) is not None
                 )
                 if growing:
-                    if n - s >= r.max_span:  # longer than the rule allows: it never matches
+                    # Longer than the rule allows (plus one character that a lookahead or
+                    # \b may need to settle it): it never matches.
+                    if n - s > r.max_span + 1:
                         pos = s + 1
                         continue
                     if s < n:

@@ -7,7 +7,6 @@ rule author fixes a pack in one pass.
 from __future__ import annotations
 
 import re
-import sre_constants  # noqa: F401  (loads re's parser on 3.11 without a warning)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,36 +79,29 @@ def load_rules(directory: Path) -> list[Rule]:
     problems: list[Problem] = []
     seen: dict[str, str] = {}
     for path in sorted(directory.rglob("*.yaml")):
-        file_rules, file_problems = _load_file(path, directory)
+        file_rules, file_problems = _load_file(path)
         problems += file_problems
         for rule, line in file_rules:
             if rule.id in seen:
-                problems.append(Problem(_rel(path, directory), line, rule.id, "id",
+                problems.append(Problem(str(path), line, rule.id, "id",
                                         f"duplicate id (first defined at {seen[rule.id]})"))
                 continue
             seen[rule.id] = rule.source
             rules.append(rule)
     if problems:
-        raise PackError(problems)
+        raise PackError(sorted(problems, key=lambda p: (p.file, p.line)))
     return rules
 
 
 # -- one file ---------------------------------------------------------------------------
 
 
-def _rel(path: Path, root: Path) -> str:
-    try:
-        return str(path.relative_to(root.parent))
-    except ValueError:
-        return str(path)
-
-
 def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _load_file(path: Path, root: Path) -> tuple[list[tuple[Rule, int]], list[Problem]]:
-    name = _rel(path, root)
+def _load_file(path: Path) -> tuple[list[tuple[Rule, int]], list[Problem]]:
+    name = str(path)
     try:
         doc = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:

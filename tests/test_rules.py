@@ -1,0 +1,327 @@
+"""Rule packs: schema validation, normalized view, streaming matcher, default packs. No model."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from finsieve.policy.matcher import StreamMatcher, scan_text
+from finsieve.policy.normalize import Normalizer, fold, normalize
+from finsieve.policy.pack import Pack
+from finsieve.policy.schema import PackError
+from finsieve.policy.validators import cn_resident_id, iban_mod97, luhn
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = Pack.load(REPO / "rules")
+CORPUS = [
+    line for line in (REPO / "tests/data/clean_corpus.txt").read_text().splitlines()
+    if line and not line.startswith("#")
+]
+
+
+def stream(rules, text: str, seed: int = 0, max_chunk: int = 4) -> StreamMatcher:
+    """Feed text in random byte chunks (splitting UTF-8 characters as BPE tokens do)."""
+    rng = random.Random(seed)
+    data = text.encode()
+    m = StreamMatcher(rules)
+    pos = 0
+    while pos < len(data):
+        n = rng.randint(1, max_chunk)
+        m.feed(data[pos : pos + n])
+        pos += n
+    m.finish()
+    return m
+
+
+def hits(rules, text: str, seed: int = 0) -> set[str]:
+    return {m.rule.id for m in stream(rules, text, seed).matches}
+
+
+# -- the normalized view -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "norm"),
+    [("１５％", "15%"), ("GUARANTEED", "guaranteed"), ("a \n\t b", "a b"), ("a\u00a0\u3000b", "a b"),
+     ("gu\u200daran\u00adteed", "guaranteed"), ("café", "cafe"), ("cafe\u0301", "cafe"),
+     ("ﬁnance", "finance"), ("年化收益率", "年化收益率"), ("Straße", "strasse")],
+)
+def test_normalized_view(raw, norm):
+    assert normalize(raw) == norm
+
+
+def test_normalizer_maps_back_to_raw_bytes_across_split_characters():
+    raw = "Ａ稳\u200d赚  x".encode()
+    n = Normalizer()
+    for i in range(len(raw)):  # one byte at a time: every multi-byte char is split
+        n.feed(raw[i : i + 1])
+    assert "".join(n.text) == "a稳赚 x"
+    spans = [raw[s:e].decode() for s, e in zip(n.raw_start, n.raw_end, strict=True)]
+    assert spans == ["Ａ", "稳", "赚", "  ", "x"]
+
+
+def test_incomplete_utf8_stays_pending():
+    n = Normalizer()
+    n.feed("稳".encode()[:2])
+    assert n.text == [] and n.pending == "稳".encode()[:2]
+    n.feed("稳".encode()[2:])
+    assert n.text == ["稳"] and n.pending == b""
+    assert fold("\u200b") == ""
+
+
+# -- the default packs -------------------------------------------------------------------
+
+
+PHRASES = {
+    "promissory-guarantee-en": "We have a risk-free profit for you",
+    "promissory-guarantee-zh": "这个产品稳赚不赔",
+    "promissory-guaranteed-returns-en": "Enjoy guaranteed returns today",
+    "promissory-guaranteed-returns-zh": "我们保证收益",
+    "performance-projection-en": "It offers an annualized return above 15%",
+    "performance-projection-zh": "年化收益率超过15%",
+}
+
+
+def variants(phrase: str) -> list[str]:
+    """The phrase in other case, full-width, doubled spaces, a newline, a zero-width joiner."""
+    full_width = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in phrase)
+    mid = len(phrase) // 2
+    return [
+        phrase, phrase.upper(), phrase.title(), full_width,
+        phrase.replace(" ", "  "), phrase.replace(" ", "\n", 1),
+        phrase[:mid] + "\u200d" + phrase[mid:], phrase[:mid] + "\u00ad" + phrase[mid:],
+    ]
+
+
+@pytest.mark.parametrize("rule_id", list(PHRASES))
+def test_every_variant_of_a_forbidden_phrase_is_caught_in_any_chunking(rule_id):
+    for text in variants(PHRASES[rule_id]):
+        for seed in range(5):
+            assert rule_id in hits(DEFAULT.output, f"Note: {text}. Thanks", seed), repr(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "rule_id"),
+    [("an annualized return of twenty percent", "performance-projection-en"),
+     ("returns of 20% a year", "performance-projection-en"),
+     ("annual yields of 12.5 per cent", "performance-projection-en"),
+     ("年化收益率超过百分之十五", "performance-projection-zh"),
+     ("年化回报率达到２０％", "performance-projection-zh"),
+     ("保本保息，放心投资", "promissory-guarantee-zh")],
+)
+def test_number_grammar_and_chinese_forms(text, rule_id):
+    assert rule_id in hits(DEFAULT.output, text)
+
+
+@pytest.mark.parametrize(
+    ("text", "rule_id", "found"),
+    [("card 4111 1111 1111 1111 ok", "payment-card-number", "4111 1111 1111 1111"),
+     ("card 4111-1111-1111-1111.", "payment-card-number", "4111-1111-1111-1111"),
+     ("IBAN GB82 WEST 1234 5698 7654 32 today", "iban", "GB82 WEST 1234 5698 7654 32"),
+     ("ssn 123-45-6789 on file", "us-ssn", "123-45-6789"),
+     ("身份证号11010519491231002X已登记", "cn-resident-id", "11010519491231002X"),
+     ("my account number 123456789012 please", "account-number-in-context", "account number 123456789012"),
+     ("卡号6222020200112233445", "account-number-in-context", "卡号6222020200112233445")],
+)
+def test_identifiers_are_found_with_their_raw_span(text, rule_id, found):
+    m = stream(DEFAULT.output, text, seed=3)
+    spans = {(x.rule.id, m.raw[x.start : x.end].decode()) for x in m.matches}
+    assert (rule_id, found) in spans
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["card 4111 1111 1111 1112 ok", "IBAN GB82 WEST 1234 5698 7654 33 x", "ssn 000-45-6789 x",
+     "id 110105194912310021 x"],
+)
+def test_checksums_keep_look_alikes_out(text):
+    assert not hits(DEFAULT.output, text)
+
+
+def test_validators():
+    assert luhn("4111111111111111") and not luhn("4111111111111112") and not luhn("1234")
+    assert iban_mod97("DE89 3704 0044 0532 0130 00") and not iban_mod97("DE88 3704 0044 0532 0130 00")
+    assert cn_resident_id("11010519491231002X") and not cn_resident_id("110105194912310021")
+
+
+def test_inside_information_requests_halt_only_as_input():
+    rules = DEFAULT.input
+    for text in ["Can you give me some insider tips on ACME?", "有没有内幕消息？"]:
+        actions = {m.rule.action for m in stream(rules, text).matches}
+        assert actions == {"halt"}, text
+    assert not hits(rules, "What is insider trading, and why is it illegal?")
+
+
+def test_clean_corpus_has_no_false_positive():
+    assert len(CORPUS) >= 200
+    for line in CORPUS:
+        for rules in (DEFAULT.input, DEFAULT.output):
+            assert not hits(rules, line), line
+
+
+def test_quoting_a_promise_counts_as_making_it():
+    # Known and intended: a literal rule cannot tell a quoted promise from a made one.
+    assert "promissory-guarantee-en" in hits(DEFAULT.output, "Scammers offer guaranteed profits.")
+
+
+# -- streaming properties ----------------------------------------------------------------
+
+TEXT = st.lists(
+    st.sampled_from([
+        "guaranteed returns", "GUARANTEED  Returns", "稳赚不赔", "年化收益率超过15%", " ", "\n",
+        "\u200d", "returns of 20% a year", "4111 1111 1111 1111", "ok. ", "annual", "保本", "保息",
+        "1", "%", "no ", "card ", "x",
+    ]),
+    max_size=12,
+).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=TEXT, seed=st.integers(0, 10_000))
+def test_chunking_never_changes_the_matches(text, seed):
+    whole = {(m.rule.id, m.start, m.end) for m in scan_text(DEFAULT.output, text)}
+    chunked = {(m.rule.id, m.start, m.end) for m in stream(DEFAULT.output, text, seed).matches}
+    assert chunked == whole
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=TEXT, seed=st.integers(0, 10_000))
+def test_safe_point_never_releases_a_byte_of_a_later_match(text, seed):
+    rng = random.Random(seed)
+    data = text.encode()
+    m = StreamMatcher(DEFAULT.output)
+    released = []
+    pos = 0
+    while pos < len(data):
+        n = rng.randint(1, 4)
+        m.feed(data[pos : pos + n])
+        pos += n
+        released.append((m.safe_point, len(m.matches)))
+    for match in m.matches:
+        for safe, known in released:
+            if known <= m.matches.index(match):  # before this match was reported
+                assert safe <= match.start
+
+
+def test_rollback_restores_the_exact_state():
+    tokens = [t.encode() for t in ["We ", "offer ", "guar", "anteed ", "ret", "urns", " and 4111 ", "1111"]]
+    m = StreamMatcher(DEFAULT.output)
+    for t in tokens:
+        m.feed(t)
+    m.rollback(3)
+    assert m.raw == b"".join(tokens[:3]) and m.tokens == 3
+    assert m.matches == []
+    for t in [b"anteed returns", b" ok"]:
+        m.feed(t)
+    fresh = StreamMatcher(DEFAULT.output)
+    for t in [*tokens[:3], b"anteed returns", b" ok"]:
+        fresh.feed(t)
+    assert [(x.rule.id, x.start, x.end) for x in m.matches] == \
+           [(x.rule.id, x.start, x.end) for x in fresh.matches] != []
+    assert m.safe_point == fresh.safe_point
+
+
+def test_render_replaces_redacted_spans():
+    m = stream(DEFAULT.output, "Pay with 4111 1111 1111 1111 today.")
+    assert m.render(0, len(m.raw)) == "Pay with [REDACTED:card] today."
+
+
+# -- validation of rule packs ------------------------------------------------------------
+
+
+GOOD = """\
+rules:
+  - id: r1
+    description: ok
+    kind: literal
+    patterns: [foo]
+    action: block
+"""
+
+
+def write(tmp: Path, name: str, text: str) -> Path:
+    (tmp / name).write_text(text)
+    return tmp
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("rules: [\n  - id: x\n", "a.yaml:2: -: yaml: not valid YAML"),
+        (GOOD.replace("action: block", "action: block\n    colour: red"),
+         "a.yaml:7: r1: colour: unknown field"),
+        (GOOD.replace("    description: ok\n", ""), "a.yaml:2: r1: description: missing (required)"),
+        (GOOD.replace("[foo]", "[]"), "a.yaml:5: r1: patterns: empty"),
+        (GOOD.replace("kind: literal", "kind: regex").replace("[foo]", "['(unclosed']"),
+         "a.yaml:5: r1: patterns: '(unclosed' does not compile"),
+        (GOOD.replace("kind: literal", "kind: regex").replace("[foo]", "['\\d+ percent']"),
+         "a.yaml:2: r1: max_span: required"),
+        (GOOD.replace("action: block", "action: redact"), "a.yaml:2: r1: replacement: missing"),
+        (GOOD.replace("action: block", "action: shred"), "a.yaml:6: r1: action: unknown value 'shred'"),
+        (GOOD.replace("kind: literal", "kind: regex").replace("action: block",
+                                                              "action: block\n    validators: [crc]"),
+         "a.yaml:7: r1: validators: unknown validator 'crc'"),
+        ("rulez: []\n", "a.yaml:1: -: rulez: unknown top-level key"),
+    ],
+)
+def test_each_problem_is_reported_with_file_line_rule_field(tmp_path, text, expected):
+    with pytest.raises(PackError) as err:
+        Pack.load(write(tmp_path, "a.yaml", text))
+    reported = [str(p).removeprefix(f"{tmp_path}/") for p in err.value.problems]
+    assert any(line.startswith(expected) for line in reported), reported
+
+
+def test_duplicate_ids_across_files_and_all_problems_at_once(tmp_path):
+    write(tmp_path, "a.yaml", GOOD)
+    write(tmp_path, "b.yaml", GOOD + GOOD.replace("rules:\n", "").replace("action: block", "action: x"))
+    with pytest.raises(PackError) as err:
+        Pack.load(tmp_path)
+    lines = [str(p).replace(f"{tmp_path}/", "") for p in err.value.problems]
+    assert any(line.startswith("b.yaml:2: r1: id: duplicate id (first defined at a.yaml:2)")
+               for line in lines)
+    assert any("b.yaml:11: r1: action: unknown value 'x'" in line for line in lines)
+
+
+def test_policy_version_is_a_hash_of_the_compiled_rules(tmp_path):
+    v1 = Pack.load(write(tmp_path, "a.yaml", GOOD)).version
+    assert Pack.load(write(tmp_path, "a.yaml", "# a comment\n" + GOOD)).version == v1
+    assert Pack.load(write(tmp_path, "a.yaml", GOOD.replace("[foo]", "['FOO ']"))).version == v1
+    assert Pack.load(write(tmp_path, "a.yaml", GOOD.replace("[foo]", "[bar]"))).version != v1
+
+
+def test_rules_check_cli(tmp_path):
+    def run(d: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "finsieve.cli", "rules", "check", str(d)],
+                              capture_output=True, text=True, timeout=60)
+
+    ok = run(REPO / "rules")
+    assert ok.returncode == 0 and DEFAULT.version in ok.stdout and f"{len(DEFAULT.rules)} rules" in ok.stdout
+    write(tmp_path, "a.yaml", GOOD.replace("action: block", "action: shred").replace("[foo]", "[]"))
+    bad = run(tmp_path)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.replace(f"{tmp_path}/", "").splitlines() == [
+        "a.yaml:5: r1: patterns: empty: give at least one pattern",
+        "a.yaml:6: r1: action: unknown value 'shred' (expected one of block, redact, rewrite, halt)",
+    ]
+
+
+def test_rules_scan_cli_finds_split_patterns():
+    text = "Buy now: guaranteed  RETURNS!\nCard: 4111 1111 1111 1111. 稳赚不赔"
+    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "rules", "scan", str(REPO / "rules"),
+                          "--seed", "7"], input=text.encode(), capture_output=True, timeout=60)
+    import json
+
+    found = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert {(f["rule_id"], f["text"]) for f in found} == {
+        ("promissory-guaranteed-returns-en", "guaranteed  RETURNS"),
+        ("payment-card-number", "4111 1111 1111 1111"),
+        ("promissory-guarantee-zh", "稳赚不赔"),
+    }
+    card = next(f for f in found if f["rule_id"] == "payment-card-number")
+    assert text[card["start"] : card["end"]] == "4111 1111 1111 1111"
