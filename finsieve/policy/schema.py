@@ -81,13 +81,15 @@ def load_rules(directory: Path) -> list[Rule]:
     for path in sorted(directory.rglob("*.yaml")):
         file_rules, file_problems = _load_file(path)
         problems += file_problems
-        for rule, line in file_rules:
-            if rule.id in seen:
-                problems.append(Problem(str(path), line, rule.id, "id",
-                                        f"duplicate id (first defined at {seen[rule.id]})"))
+        for rule, rule_id, line in file_rules:  # invalid rules too: report every duplicate
+            if rule_id in seen:
+                problems.append(Problem(str(path), line, rule_id, "id",
+                                        f"duplicate id (first defined at {seen[rule_id]})"))
                 continue
-            seen[rule.id] = rule.source
-            rules.append(rule)
+            if rule_id:
+                seen[rule_id] = f"{path}:{line}"
+            if rule is not None:
+                rules.append(rule)
     if problems:
         raise PackError(sorted(problems, key=lambda p: (p.file, p.line)))
     return rules
@@ -100,7 +102,7 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _load_file(path: Path) -> tuple[list[tuple[Rule, int]], list[Problem]]:
+def _load_file(path: Path) -> tuple[list[tuple[Rule | None, str, int]], list[Problem]]:
     name = str(path)
     try:
         doc = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
@@ -131,7 +133,7 @@ def _load_file(path: Path) -> tuple[list[tuple[Rule, int]], list[Problem]]:
                                         "must be a non-empty regex fragment"))
             else:
                 definitions[key] = value
-    rules: list[tuple[Rule, int]] = []
+    rules: list[tuple[Rule | None, str, int]] = []
     if "rules" not in top:
         problems.append(Problem(name, _line(doc), "", "rules", "missing: a list of rules"))
         return rules, problems
@@ -140,9 +142,8 @@ def _load_file(path: Path) -> tuple[list[tuple[Rule, int]], list[Problem]]:
         problems.append(Problem(name, _line(rules_node), "", "rules", "must be a list of rules"))
         return rules, problems
     for rule_node in rules_node.value:
-        rule = _rule(rule_node, name, definitions, problems)
-        if rule is not None:
-            rules.append((rule, _line(rule_node)))
+        rule, rule_id = _rule(rule_node, name, definitions, problems)
+        rules.append((rule, rule_id, _line(rule_node)))
     return rules, problems
 
 
@@ -175,10 +176,11 @@ _FIELDS = {
 
 
 def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
-          problems: list[Problem]) -> Rule | None:
+          problems: list[Problem]) -> tuple[Rule | None, str]:
+    """The rule (None if it has problems or is disabled) and its id as written."""
     fields = _mapping(node, file, "", "rules[]", problems)
     if fields is None:
-        return None
+        return None, ""
     start = len(problems)
     raw_id = _scalar(fields["id"][1]) if "id" in fields else None
     rule_id = raw_id if isinstance(raw_id, str) else ""
@@ -206,11 +208,12 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
             problem(field, f"unknown value {value!r} (expected one of {', '.join(options)})")
         return value or ""
 
-    def strings(field: str, required: bool = False) -> list[str]:
-        value = get(field, list, [], required)
-        if any(not isinstance(v, str) for v in value):
+    def strings(field: str, required: bool = False) -> list[str] | None:
+        """The list, or None when it is missing or not a list of strings (already reported)."""
+        value = get(field, list, None, required)
+        if value is not None and any(not isinstance(v, str) for v in value):
             problem(field, "must be a list of strings")
-            return []
+            return None
         return value
 
     for key in fields:
@@ -226,14 +229,15 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
     action = choice("action", ACTIONS)
     severity = choice("severity", SEVERITIES, "medium")
     patterns = strings("patterns", required=True)
-    if "patterns" in fields and not patterns:
+    if patterns == []:
         problem("patterns", "empty: give at least one pattern")
+    patterns = patterns or []
     if any(not p.strip() for p in patterns):
         problem("patterns", "contains an empty pattern")
     replacement = get("replacement", str, "")
     if action in ("redact", "rewrite") and not replacement:
         problem("replacement", f"missing: action {action} needs the text that replaces a match")
-    validators = strings("validators")
+    validators = strings("validators") or []
     for v in validators:
         if v not in VALIDATORS:
             problem("validators", f"unknown validator {v!r} (expected one of {', '.join(VALIDATORS)})")
@@ -242,7 +246,7 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
     max_span = get("max_span", int)
     if max_span is not None and max_span <= 0:
         problem("max_span", "must be a positive number of characters")
-    locales = strings("locales")
+    locales = strings("locales") or []
     enabled = get("enabled", bool, True)
     message = get("message", str, "")
 
@@ -276,13 +280,13 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
             else:
                 max_span = max(w for w in widths if w is not None)
     if len(problems) > start or not enabled:
-        return None
+        return None, rule_id
     return Rule(
         id=rule_id, description=description, kind=kind, patterns=tuple(compiled), scope=scope,
         action=action, replacement=replacement, validators=tuple(validators),
         max_span=int(max_span or 0), severity=severity, locales=tuple(locales), message=message,
         source=f"{file}:{_line(node)}",
-    )
+    ), rule_id
 
 
 def _expand(pattern: str, definitions: dict[str, str]) -> tuple[str, str]:

@@ -1,0 +1,154 @@
+"""Token-mask tables: the ban set is exactly the tokens that would complete a literal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from finsieve.engine.tokens import token_byte_table
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from finsieve.policy.masks import MaskTables, TokenTable
+from finsieve.policy.matcher import StreamMatcher
+from finsieve.policy.pack import RuleSet
+from finsieve.policy.schema import Rule
+
+PATTERNS = ["guaranteed returns", "稳赚不赔", "保本保息", "risk free", "no risk at all", "年化15%", "a b"]
+FRAGMENTS = [*PATTERNS, "GUARANTEED", "Returns", " ", "  ", "\n", "\u200d", "１５％", "年化", "稳赚", "RISK"]
+RULES = RuleSet([Rule("r", "d", "literal", tuple(PATTERNS), "output", "block", "", (), 20,
+                      "high", (), "", "test")])
+
+
+@pytest.fixture(scope="module")
+def bpe_vocab(default_model_dir: Path) -> list[bytes]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    return token_byte_table(tok.get_vocab(), special)
+
+
+def sentencepiece_vocab() -> list[bytes]:
+    """A SentencePiece-style vocabulary: ▁ for spaces and <0xNN> byte fallback."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁guaranteed", "▁returns", "▁return", "s", "▁risk", "▁free", "▁no", "▁at", "▁all",
+             "guarant", "eed", "▁re", "turn", "稳", "赚", "不赔", "稳赚", "保本", "保息", "年化", "15",
+             "%", "▁a", "▁b", "b", "▁", "▁GUARANTEED", "▁Risk", "▁FREE", "▁a▁b"]
+    vocab = {p: i for i, p in enumerate(pieces + words)}
+    return token_byte_table(vocab, special_ids={0, 1, 2})
+
+
+def completes(text: bytes, token: bytes) -> bool:
+    """Ground truth: does the streaming matcher report a new literal match for this token?"""
+    m = StreamMatcher(RULES)
+    m.feed(text)
+    before = len(m.matches)
+    m.feed(token)
+    return len(m.matches) > before
+
+
+def texts(vocab: list[bytes]) -> st.SearchStrategy[bytes]:
+    fragment = st.sampled_from(FRAGMENTS).flatmap(
+        lambda f: st.integers(1, len(f.encode())).map(lambda k: f.encode()[:k])  # may split a char
+    )
+    token = st.integers(0, len(vocab) - 1).map(lambda i: vocab[i])
+    # Ends with a cut fragment: often inside a pattern, often inside a character.
+    head = st.lists(st.one_of(fragment, fragment, token), max_size=5).map(b"".join)
+    return st.tuples(head, fragment).map(b"".join)
+
+
+def check_exact(vocab: list[bytes], tables: MaskTables, data: st.DataObject) -> None:
+    text = data.draw(texts(vocab))
+    m = StreamMatcher(RULES)
+    m.feed(text)
+    banned = set(tables.ban_set_for(m))
+    # Random tokens, banned ones, tokens that start with the rest of some pattern, and
+    # tokens that start with UTF-8 continuation bytes (they complete a pending character).
+    candidates = data.draw(st.lists(st.integers(0, len(vocab) - 1), min_size=20, max_size=20))
+    candidates += sorted(banned)[:10]
+    candidates += [i for group in tables.tokens.groups.values() for i in group.ids]
+    for p in PATTERNS:
+        for k in range(1, len(p)):
+            candidates += tables.tokens.index.starting_with(p[k:])[:3]
+    for t in candidates:
+        assert completes(text, vocab[t]) == (t in banned), (text, vocab[t])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_ban_set_is_exact_for_byte_level_bpe(bpe_vocab, data):
+    check_exact(bpe_vocab, _tables(bpe_vocab), data)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_ban_set_is_exact_for_sentencepiece(data):
+    vocab = sentencepiece_vocab()
+    check_exact(vocab, _tables(vocab), data)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_ban_set_is_exact_at_every_byte_cut_of_every_pattern(request, kind):
+    """Every cut, inside characters too, in several contexts: no sampling luck involved."""
+    vocab = request.getfixturevalue("bpe_vocab") if kind == "bpe" else sentencepiece_vocab()
+    tables = _tables(vocab)
+    everyone = range(len(vocab)) if kind == "sentencepiece" else None
+    for pattern in PATTERNS:
+        for variant in (pattern, pattern.upper(), pattern.replace(" ", "  ")):
+            data = variant.encode()
+            for cut in range(1, len(data)):
+                for context in (b"", b"Well ", "　".encode()):
+                    text = context + data[:cut]
+                    m = StreamMatcher(RULES)
+                    m.feed(text)
+                    banned = set(tables.ban_set_for(m))
+                    candidates = everyone or {
+                        *banned,
+                        *(i for g in tables.tokens.groups.values() for i in g.ids),
+                        *(i for k in range(len(pattern))
+                          for i in tables.tokens.index.starting_with(pattern[k:])[:50]),
+                    }
+                    for t in candidates:
+                        assert completes(text, vocab[t]) == (t in banned), (text, vocab[t])
+
+
+_CACHE: dict[int, MaskTables] = {}
+
+
+def _tables(vocab: list[bytes]) -> MaskTables:
+    if id(vocab) not in _CACHE:
+        _CACHE.clear()
+        _CACHE[id(vocab)] = MaskTables(TokenTable.build(vocab), PATTERNS)
+    return _CACHE[id(vocab)]
+
+
+def test_sentencepiece_bytes_are_decoded():
+    vocab = sentencepiece_vocab()
+    table = TokenTable.build(vocab)
+    assert vocab[3 + 0xE7] == b"\xe7"
+    ids = {table.contrib[i]: i for i in range(len(vocab))}
+    assert " guaranteed" in ids and " a b" in ids
+
+
+def test_tables_are_persisted_keyed_by_tokenizer_and_version_and_rebuilt_when_stale(tmp_path):
+    vocab = sentencepiece_vocab()
+    tokens = TokenTable.load_or_build(vocab, tmp_path)
+    (fp_dir,) = tmp_path.iterdir()
+    assert fp_dir.name == tokens.fingerprint and (fp_dir / "tokens.json.gz").exists()
+    again = TokenTable.load_or_build(vocab, tmp_path)
+    assert again.contrib == tokens.contrib
+
+    tables = MaskTables.load_or_build(tokens, PATTERNS, "v1", tmp_path)
+    stored = json.loads((fp_dir / "v1.banned.json").read_text())
+    assert stored["always_banned"] == tables.always_banned != []
+    # The same version name over other patterns is stale: rebuilt, not trusted.
+    other = MaskTables.load_or_build(tokens, ["free"], "v1", tmp_path)
+    assert other.always_banned != tables.always_banned
+    assert json.loads((fp_dir / "v1.banned.json").read_text())["always_banned"] == other.always_banned
+    # A damaged file is rebuilt too.
+    (fp_dir / "tokens.json.gz").write_bytes(b"garbage")
+    assert TokenTable.load_or_build(vocab, tmp_path).contrib == tokens.contrib
+    assert TokenTable.load_or_build(vocab[:-1], tmp_path).fingerprint != tokens.fingerprint
