@@ -16,6 +16,7 @@ same start) is held until it is settled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .normalize import Normalizer
 from .pack import RuleSet
@@ -33,15 +34,14 @@ class Match:
     text: str  # the normalized text that matched
 
 
-@dataclass(frozen=True)
-class _Checkpoint:
+class _Checkpoint(NamedTuple):
     raw_len: int
     decoded_len: int
     pending: bytes
     n_norm: int
     last_end: int
     depth: int
-    scan_from: tuple[int, ...]
+    in_making: tuple[tuple[int, int], ...]
     hold: int
     n_matches: int
 
@@ -54,10 +54,14 @@ class StreamMatcher:
         self.matches: list[Match] = []
         self.depth = 0  # length of the longest live literal suffix
         self._tail = ""  # the last characters of the normalized text, for literal depth
+        self._window = ""  # … and enough of them for every regex (see _regexes)
+        self._window_len = rules.max_regex_span + 16
         self._it = None
         self._it_base = 0  # normalized index of the iterator's position 0
-        self._scan_from = [0] * len(rules.regexes)
-        self._hold = 0  # earliest start of a regex match still in the making
+        # Regex index -> where its earliest match still in the making starts. A regex that
+        # is not here has no match starting before the end of the text.
+        self._in_making: dict[int, int] = {}
+        self._hold = 0  # the earliest of those starts
         self._checkpoints = [self._snapshot()]
 
     # -- feeding ----------------------------------------------------------------------
@@ -65,19 +69,19 @@ class StreamMatcher:
     def feed(self, data: bytes) -> list[Match]:
         """Feed one token's bytes; return the matches it completed."""
         self.raw += data
-        n = self.norm.feed(data)
+        new = self.norm.feed(data)
         found: list[Match] = []
-        if n:
-            new = "".join(self.norm.text[-n:])
+        if new:
+            self._window = (self._window + new)[-self._window_len :]
             self._literals(new, found)
-            self._regexes(found, final=False)
+            self._regexes(found, new, final=False)
         self._checkpoints.append(self._snapshot())
         return found
 
     def finish(self) -> list[Match]:
         """The stream ended: settle regex matches that were waiting for more text."""
         found: list[Match] = []
-        self._regexes(found, final=True)
+        self._regexes(found, "", final=True)
         self.depth = 0
         return found
 
@@ -110,9 +114,10 @@ class StreamMatcher:
         self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end)
         del self.matches[cp.n_matches :]
         self.depth, self._hold = cp.depth, cp.hold
-        self._scan_from = list(cp.scan_from)
+        self._in_making = dict(cp.in_making)
         keep = max(self.rules.literals.max_len - 1, 0)
         self._tail = "".join(self.norm.text[-keep:]) if keep else ""
+        self._window = "".join(self.norm.text[-self._window_len :])
         self._it = None
         if self.rules.literals.automaton is not None and self._tail:
             # Re-feed the suffix that decides the automaton's state; its matches are old.
@@ -156,58 +161,69 @@ class StreamMatcher:
 
     # -- regexes ------------------------------------------------------------------------
 
-    def _regexes(self, found: list[Match], final: bool) -> None:
-        regexes = self.rules.regexes
-        if not regexes:
+    def _regexes(self, found: list[Match], new: str, final: bool) -> None:
+        if not self.rules.regexes:
             return
         n = len(self.norm.text)
-        starts = self._scan_from
-        lo = min(starts)
-        # A little context before the window, for lookbehinds and \b.
-        base = max(0, lo - 8)
-        window = "".join(self.norm.text[base:])
-        if self.rules.any_regex is not None and not final:
-            m = self.rules.any_regex.search(window, pos=lo - base, partial=True)
-            if m is None or (m.partial and m.start() + base >= n):
-                self._scan_from = [n] * len(regexes)
-                self._hold = n
+        before = n - len(new)
+        # Only regexes with a match in the making, or whose match can begin with one of
+        # the new characters, can change; a new match can only begin in the new text.
+        active = dict(self._in_making)
+        prev = self._window[-len(new) - 1] if len(self._window) > len(new) else " "
+        for ch in new:
+            word_start = not (prev.isalnum() or prev == "_")
+            for i in self.rules.regexes_starting_with(ch, word_start):
+                active.setdefault(i, before)
+            prev = ch
+        self._in_making = {}
+        self._hold = n
+        if not active:
+            return
+        # The window holds every match in the making (none is longer than max_span + 1) and
+        # a little context before it, for lookbehinds and \b.
+        window = self._window
+        base = n - len(window)
+        if min(active.values()) < base + 8:  # a whole text fed at once
+            base = max(0, min(active.values()) - 8)
+            window = "".join(self.norm.text[base:])
+        for i, pos in active.items():
+            self._search(i, pos, window, base, final, found)
+
+    def _search(self, i: int, pos: int, window: str, base: int, final: bool,
+                found: list[Match]) -> None:
+        """Report regex i's settled matches from pos on; remember one still in the making."""
+        r = self.rules.regexes[i]
+        n = base + len(window)
+        while pos < n:
+            # At the end of the stream a match is what it is: no more partials.
+            m = r.pattern.search(window, pos=pos - base, partial=not final)
+            if m is None:
                 return
-        hold = n
-        for i, r in enumerate(regexes):
-            pos = starts[i]
-            while True:
-                # At the end of the stream a match is what it is: no more partials.
-                m = r.pattern.search(window, pos=pos - base, partial=not final)
-                if m is None:
-                    pos = n
-                    break
-                s, e = m.start() + base, m.end() + base
-                # `regex` prefers a complete match to a partial one: "15%" is complete in
-                # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
-                growing = not final and (
-                    m.partial or r.pattern.fullmatch(window, pos=s - base, partial=True) is not None
-                )
-                if growing:
-                    # Longer than the rule allows (plus one character that a lookahead or
-                    # \b may need to settle it): it never matches.
-                    if n - s > r.max_span + 1:
-                        pos = s + 1
-                        continue
-                    if s < n:
-                        hold = min(hold, s)  # still in the making: hold it back
-                    pos = min(s, n)
-                    break
-                if e == s:  # an empty match says nothing
+            s, e = m.start() + base, m.end() + base
+            # `regex` prefers a complete match to a partial one: "15%" is complete in
+            # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
+            growing = not final and (
+                m.partial or r.pattern.fullmatch(window, pos=s - base, partial=True) is not None
+            )
+            if growing:
+                # Longer than the rule allows (plus one character that a lookahead or
+                # \b may need to settle it): it never matches.
+                if n - s > r.max_span + 1:
                     pos = s + 1
                     continue
-                text = window[s - base : e - base]
-                if all(VALIDATORS[v](text) for v in r.rule.validators):
-                    found.append(self._match(r.rule, s, e))
-                    pos = e
-                else:
-                    pos = s + 1  # not a real identifier; a match may still start later
-            self._scan_from[i] = pos
-        self._hold = hold
+                if s < n:
+                    self._in_making[i] = s
+                    self._hold = min(self._hold, s)
+                return
+            if e == s:  # an empty match says nothing
+                pos = s + 1
+                continue
+            text = window[s - base : e - base]
+            if all(VALIDATORS[v](text) for v in r.rule.validators):
+                found.append(self._match(r.rule, s, e))
+                pos = e
+            else:
+                pos = s + 1  # not a real identifier; a match may still start later
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -232,7 +248,7 @@ class StreamMatcher:
             n_norm=len(norm.text),
             last_end=norm.raw_end[-1] if norm.raw_end else 0,
             depth=self.depth,
-            scan_from=tuple(self._scan_from),
+            in_making=tuple(self._in_making.items()),
             hold=self._hold,
             n_matches=len(self.matches),
         )

@@ -14,8 +14,12 @@ it, because holdback, rollback and redaction act on raw text.
 from __future__ import annotations
 
 import codecs
+import re
 import unicodedata
 from functools import lru_cache
+
+# Printable ASCII without a run of spaces: its normalized form is its lower case.
+_PLAIN_ASCII = re.compile(rb"(?: ?[!-~])+ ?| ")
 
 
 @lru_cache(maxsize=65536)
@@ -65,10 +69,22 @@ class Normalizer:
     def pending(self) -> bytes:
         return self._decoder.getstate()[0]
 
-    def feed(self, data: bytes) -> int:
-        """Feed raw bytes; return how many normalized characters were appended."""
+    def feed(self, data: bytes) -> str:
+        """Feed raw bytes; return the normalized characters they appended."""
         before = len(self.text)
+        pending = self.raw_len != self.decoded_len
         self.raw_len += len(data)
+        if not pending and _PLAIN_ASCII.fullmatch(data) and not (
+            data[0] == 0x20 and self.text and self.text[-1] == " "
+        ):
+            # Most tokens: one byte per character, nothing to fold but case.
+            d = self.decoded_len
+            self.decoded_len += len(data)
+            new = data.decode().lower()
+            self.text.extend(new)
+            self.raw_start.extend(range(d, self.decoded_len))
+            self.raw_end.extend(range(d + 1, self.decoded_len + 1))
+            return new
         chars = self._decoder.decode(data)
         for ch, size in zip(chars, self._raw_sizes(chars), strict=True):
             start = self.decoded_len
@@ -80,7 +96,7 @@ class Normalizer:
                 self.text.append(c)
                 self.raw_start.append(start)
                 self.raw_end.append(self.decoded_len)
-        return len(self.text) - before
+        return "".join(self.text[before:])
 
     def _raw_sizes(self, chars: str) -> list[int]:
         """Raw byte length of each decoded character.

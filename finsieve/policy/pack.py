@@ -12,6 +12,7 @@ from pathlib import Path
 import ahocorasick
 import regex
 
+from .first_chars import first_chars
 from .schema import REGEX_FLAGS, Rule, load_rules
 
 FORMAT = 1  # bump when compilation changes what a version means
@@ -71,15 +72,18 @@ class RuleSet:
             for rule in rules if rule.kind == "regex" for p in rule.patterns
         ]
         self.max_regex_span = max((r.max_span for r in self.regexes), default=0)
-        # One search over all regexes tells, for most tokens, that none can match at all.
-        self.any_regex: regex.Pattern[str] | None = None
-        if self.regexes:
-            try:
-                self.any_regex = regex.compile(
-                    "|".join(f"(?:{r.pattern.pattern})" for r in self.regexes), REGEX_FLAGS
-                )
-            except regex.error:  # e.g. the same group name in two patterns
-                self.any_regex = None
+        self._first = [first_chars(r.pattern.pattern) for r in self.regexes]
+        self._by_char: dict[tuple[str, bool], tuple[int, ...]] = {}  # memo
+
+    def regexes_starting_with(self, ch: str, word_start: bool) -> tuple[int, ...]:
+        """Indexes of the regexes whose match can begin with this (normalized) character,
+        where it does or does not begin a word."""
+        hit = self._by_char.get((ch, word_start))
+        if hit is None:
+            hit = tuple(i for i, f in enumerate(self._first)
+                        if f is None or (ch in f and (word_start or not f.word_start)))
+            self._by_char[ch, word_start] = hit
+        return hit
 
     def __bool__(self) -> bool:
         return bool(self.rules)

@@ -1,0 +1,226 @@
+"""Rules-engine benchmark: matcher cost per token, mask cost, table builds, compile, reload.
+
+    .venv/bin/python bench/bench_rules.py [--tokens 4000]
+
+Realistic text is the clean corpus plus forbidden phrases, tokenized by the default
+model's tokenizer. The baseline, run side by side, is the naive way: after every token,
+normalize the whole text so far and search it with every pattern. Prints a table and
+writes bench/results/rules.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from finsieve.engine.tokens import token_byte_table
+from transformers import AutoTokenizer
+
+from finsieve.policy.masks import MaskTables, TokenTable
+from finsieve.policy.matcher import StreamMatcher
+from finsieve.policy.normalize import normalize
+from finsieve.policy.pack import Pack
+from finsieve.policy.reload import PolicyHolder, RulesWatcher
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / ".finsieve" / "models" / "SmolLM2-135M-Instruct"
+VIOLATIONS = [
+    "We offer guaranteed returns on this fund.", "年化收益率超过15%，稳赚不赔。",
+    "Pay with 4111 1111 1111 1111 today.", "Expect returns of 20% a year.",
+]
+
+
+def stats_us(samples_ns: list[int]) -> dict[str, float]:
+    s = sorted(samples_ns)
+    return {"median_us": statistics.median(s) / 1000, "p99_us": s[int(len(s) * 0.99) - 1] / 1000,
+            "mean_us": statistics.fmean(s) / 1000}
+
+
+def realistic_tokens(tokenizer, vocab: list[bytes], n: int) -> list[bytes]:
+    lines = [ln for ln in (REPO / "tests/data/clean_corpus.txt").read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    rng = random.Random(0)
+    out: list[bytes] = []
+    while len(out) < n:
+        text = " ".join(rng.choice(lines) for _ in range(10)) + " " + rng.choice(VIOLATIONS)
+        out += [vocab[i] for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return out[:n]
+
+
+def synthetic_pack(directory: Path, n_literals: int = 10_000, n_regexes: int = 100) -> None:
+    rng = random.Random(1)
+    words = sorted({w.strip(".,;:!?()").lower() for ln in (REPO / "tests/data/clean_corpus.txt")
+                    .read_text().split() for w in [ln] if w.isascii() and len(w) > 2})
+    literals = sorted({" ".join(rng.choice(words) for _ in range(rng.randint(2, 4)))
+                       for _ in range(n_literals * 2)})[:n_literals]
+    lines = ["rules:"]
+    for i in range(0, len(literals), 100):
+        lines += [f"  - id: lit-{i}", "    description: synthetic", "    kind: literal",
+                  "    action: block", "    patterns:"]
+        lines += [f"      - {json.dumps(p)}" for p in literals[i : i + 100]]
+    for i in range(n_regexes):
+        w = rng.choice(words)
+        lines += [f"  - id: re-{i}", "    description: synthetic", "    kind: regex",
+                  "    action: redact", "    replacement: '[X]'", "    max_span: 40",
+                  "    patterns:", f"      - '\\b{w} (?:of |at )?\\d{{2,6}}(?:\\.\\d+)? ?(?:%|percent)'"]
+    (directory / "synthetic.yaml").write_text("\n".join(lines) + "\n")
+
+
+def per_token(pack: Pack, tokens: list[bytes]) -> list[int]:
+    m = StreamMatcher(pack.output)
+    out = []
+    for t in tokens:
+        start = time.perf_counter_ns()
+        m.feed(t)
+        out.append(time.perf_counter_ns() - start)
+    return out
+
+
+def naive_per_token(pack: Pack, tokens: list[bytes], limit: int) -> list[int]:
+    """Baseline: after each token, normalize everything and run every pattern again."""
+    literals = [p for r in pack.output.rules if r.kind == "literal" for p in r.patterns]
+    regexes = [r.pattern for r in pack.output.regexes]
+    raw = b""
+    out = []
+    for t in tokens[:limit]:
+        start = time.perf_counter_ns()
+        raw += t
+        text = normalize(raw.decode("utf-8", "ignore"))
+        _ = [p for p in literals if p in text] + [r for r in regexes if r.search(text)]
+        out.append(time.perf_counter_ns() - start)
+    return out
+
+
+def mask_costs(tables: MaskTables, pack: Pack, tokens: list[bytes]) -> dict[str, dict[str, float]]:
+    warm, cold = [], []
+    m = StreamMatcher(pack.output)
+    for t in tokens:
+        m.feed(t)
+        start = time.perf_counter_ns()
+        tables.ban_set_for(m)
+        warm.append(time.perf_counter_ns() - start)
+    m = StreamMatcher(pack.output)
+    for t in tokens[:1000]:
+        m.feed(t)
+        tables._cache.clear()
+        start = time.perf_counter_ns()
+        tables.ban_set_for(m)
+        cold.append(time.perf_counter_ns() - start)
+    return {"warm": stats_us(warm), "cold": stats_us(cold)}
+
+
+def timed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def reload_latency(vocab_table: TokenTable, trials: int = 5) -> list[float]:
+    """Seconds from a rule file written to the new version in force (compile + mask tables)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "a.yaml").write_text((REPO / "rules/promissory.yaml").read_text())
+
+        def compile_(directory: Path):
+            pack = Pack.load(directory)
+            tables = MaskTables(vocab_table, pack.output.literal_patterns(("block",)))
+            return (pack, tables), pack.version
+
+        policy, version = compile_(d)
+        holder = PolicyHolder(policy, version)
+        watcher = RulesWatcher(d, holder, compile_)
+        watcher.start()
+        time.sleep(0.5)
+        out = []
+        for i in range(trials):
+            before = holder.version
+            start = time.perf_counter()
+            (d / "b.yaml").write_text(f"rules:\n  - id: extra\n    description: d\n    kind: literal\n"
+                                      f"    action: block\n    patterns: [phrase number {i}]\n")
+            while holder.version == before and time.perf_counter() - start < 10:
+                time.sleep(0.002)
+            out.append(time.perf_counter() - start)
+            time.sleep(0.3)
+        watcher.stop()
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rules.json")
+    args = ap.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    vocab = token_byte_table(tokenizer.get_vocab(), special)
+    tokens = realistic_tokens(tokenizer, vocab, args.tokens)
+    default = Pack.load(REPO / "rules")
+    result: dict = {"tokens": len(tokens)}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        synthetic_pack(Path(tmp))
+        big, compile_s = timed(lambda: Pack.load(Path(tmp)))
+    result["synthetic_pack"] = {"literals": sum(len(r.patterns) for r in big.rules if r.kind == "literal"),
+                                "regexes": len(big.output.regexes), "compile_s": compile_s}
+
+    rows = []
+    for name, pack in (("default packs", default), ("10k literals + 100 regexes", big)):
+        ours = stats_us(per_token(pack, tokens))
+        naive = stats_us(naive_per_token(pack, tokens, 600 if pack is big else 2000))
+        rows.append({"pack": name, "ours": ours, "naive_rescan": naive,
+                     "speedup_median": naive["median_us"] / ours["median_us"]})
+    result["matcher"] = rows
+
+    table49, build49 = timed(lambda: TokenTable.build(vocab))
+    rng = random.Random(2)
+    big_vocab = vocab + [vocab[rng.randrange(len(vocab))] + vocab[rng.randrange(len(vocab))]
+                         for _ in range(152_064 - len(vocab))]
+    _, build152 = timed(lambda: TokenTable.build(big_vocab))
+    with tempfile.TemporaryDirectory() as luts:
+        _, cached49 = timed(lambda: TokenTable.load_or_build(vocab, Path(luts)))
+        _, cached49 = timed(lambda: TokenTable.load_or_build(vocab, Path(luts)))
+    masks_default, mask_build_default = timed(
+        lambda: MaskTables(table49, default.output.literal_patterns(("block",))))
+    masks_big, mask_build_big = timed(
+        lambda: MaskTables(table49, big.output.literal_patterns(("block",))))
+    result["tables"] = {
+        "token_table_build_49k_s": build49, "token_table_build_152k_s": build152,
+        "token_table_load_cached_49k_s": cached49,
+        "mask_build_default_s": mask_build_default, "mask_build_10k_literals_s": mask_build_big,
+        "compile_plus_mask_10k_literals_s": compile_s + mask_build_big,
+    }
+    result["mask"] = {"default packs": mask_costs(masks_default, default, tokens),
+                      "10k literals": mask_costs(masks_big, big, tokens)}
+    result["reload_to_enforcement_s"] = reload_latency(table49)
+
+    print(f"{'matcher µs/token':30} {'median':>8} {'p99':>8} {'naive median':>13} "
+          f"{'naive p99':>10} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['pack']:30} {r['ours']['median_us']:8.1f} {r['ours']['p99_us']:8.1f} "
+              f"{r['naive_rescan']['median_us']:13.1f} {r['naive_rescan']['p99_us']:10.1f} "
+              f"{r['speedup_median']:7.1f}x")
+    print(f"\n{'exact mask µs/token':30} {'warm med':>8} {'warm p99':>8} {'cold med':>9} {'cold p99':>9}")
+    for name, m in result["mask"].items():
+        print(f"{name:30} {m['warm']['median_us']:8.1f} {m['warm']['p99_us']:8.1f} "
+              f"{m['cold']['median_us']:9.1f} {m['cold']['p99_us']:9.1f}")
+    t = result["tables"]
+    print(f"\ntoken table build: 49k vocab {t['token_table_build_49k_s']:.2f} s, "
+          f"152k vocab {t['token_table_build_152k_s']:.2f} s, "
+          f"49k from luts/ {t['token_table_load_cached_49k_s']:.2f} s")
+    print(f"compile 10k literals + 100 regexes {compile_s:.2f} s + mask tables {mask_build_big:.2f} s "
+          f"= {t['compile_plus_mask_10k_literals_s']:.2f} s")
+    lat = result["reload_to_enforcement_s"]
+    print(f"reload to enforcement: median {statistics.median(lat):.3f} s, max {max(lat):.3f} s "
+          f"({len(lat)} trials)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
