@@ -65,7 +65,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         e = self.engine
         return engine_pb2.EngineInfo(
             model=e.model_name,
-            policy_version=e.policy_version,
+            policy_version=e.policy().version,
             max_context=e.max_context,
             max_batch=e.max_batch,
             device=str(e.device),

@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="engine host:port (role gateway; repeat for several)")
     s.add_argument("--model", metavar="PATH", help="Hugging Face model directory")
     s.add_argument("--rules", metavar="DIR")
+    s.add_argument("--no-rules", dest="rules", action="store_const", const="",
+                   help="serve unfiltered (for baselines)")
     s.add_argument("--state-dir", metavar="DIR")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
     s.add_argument("--max-batch", type=int)
@@ -98,8 +100,15 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(serve(settings))
     except Exception as e:  # a startup failure: one clear line, no stack trace
         from finsieve.engine.loader import ModelLoadError
+        from finsieve.policy.schema import PackError
         from finsieve.valkey import RedisUnavailable
 
+        if isinstance(e, PackError):
+            print(f"finsieve serve: --rules {settings.rules}: the rule pack is invalid:",
+                  file=sys.stderr)
+            for problem in e.problems:
+                print(f"  {problem}", file=sys.stderr)
+            return 1
         if isinstance(e, (ModelLoadError, RedisUnavailable, OSError)):
             print(f"finsieve serve: {e}", file=sys.stderr)
             return 1

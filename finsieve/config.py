@@ -30,7 +30,9 @@ class Settings:
         (), "engine addresses host:port the gateway forwards to (role gateway)"
     )
     model: str = _setting("", "Hugging Face model directory; empty = embedded default model")
-    rules: str = _setting("rules", "directory of YAML rule packs")
+    rules: str = _setting("rules", "directory of YAML rule packs; empty = no rules (--no-rules)")
+    luts: str = _setting("luts", "where token-mask tables are kept (generated)")
+    max_rollbacks: int = _setting(8, "rollbacks (SAR) per request before it halts")
     state_dir: str = _setting(".finsieve", "state: converted model, embedded Valkey data")
     redis_url: str = _setting("", "Redis/Valkey URL; empty = start an embedded Valkey")
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
@@ -75,7 +77,7 @@ class Settings:
 
     def validate(self) -> None:
         positive = ("max_batch", "max_context", "max_tokens_limit", "default_max_tokens",
-                    "max_input_bytes")
+                    "max_input_bytes", "max_rollbacks")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import structlog
 
 from finsieve.config import Settings
 from finsieve.gateway.server import GatewayService
 from finsieve.grpc_server import RunningServer, Service, start_server
+from finsieve.policy.guard import Policy
 from finsieve.v1 import chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
@@ -51,8 +54,12 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
     device = resolve_device(settings.device)
     model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
     limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
-                          settings.batch_invariant)
+                          settings.batch_invariant, settings.max_rollbacks)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
+    if settings.rules:
+        engine.policy = await asyncio.to_thread(_watch_rules, settings, engine.token_bytes, stack)
+    else:
+        log.warning("serving without rules (--no-rules): answers are not filtered")
     thread = threading.Thread(target=engine.run, name="engine-loop", daemon=True)
     thread.start()
     stack.callback(thread.join, 10)
@@ -69,6 +76,24 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
     log.info("engine serving", address=f"{host}:{running.port}", model=engine.model_name,
              device=str(device), max_batch=engine.max_batch, max_context=engine.max_context)
     return f"{host}:{running.port}"
+
+
+def _watch_rules(settings: Settings, token_bytes: list[bytes],
+                 stack: AsyncExitStack) -> Callable[[], Policy]:
+    """Compile the rules directory now (a bad pack stops start-up) and on every change."""
+    from finsieve.policy.guard import compile_policy
+    from finsieve.policy.masks import TokenTable
+    from finsieve.policy.reload import PolicyHolder, RulesWatcher
+
+    directory, luts = Path(settings.rules), Path(settings.luts)
+    tokens = TokenTable.load_or_build(token_bytes, luts)
+    policy, version = compile_policy(directory, tokens, luts)
+    holder = PolicyHolder(policy, version)
+    watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts))
+    watcher.start()
+    stack.callback(watcher.stop)
+    log.info("rules loaded", version=version, rules=len(policy.pack.rules), directory=str(directory))
+    return lambda: holder.current
 
 
 async def _start_redis(settings: Settings, stack: AsyncExitStack) -> None:

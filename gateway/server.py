@@ -103,6 +103,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
 
         def relay(event: chat_pb2.ChatServerMessage) -> None:
             event.request_id = client_id
+            if event.HasField("policy_event"):
+                event.policy_event.suppressed = ""  # for the audit trail, never for the client
             stream.out.put_nowait(event)
             kind = event.WhichOneof("event")
             if kind in TERMINAL:

@@ -42,7 +42,6 @@ class _Checkpoint(NamedTuple):
     last_end: int
     depth: int
     in_making: tuple[tuple[int, int], ...]
-    hold: int
     n_matches: int
 
 
@@ -61,7 +60,6 @@ class StreamMatcher:
         # Regex index -> where its earliest match still in the making starts. A regex that
         # is not here has no match starting before the end of the text.
         self._in_making: dict[int, int] = {}
-        self._hold = 0  # the earliest of those starts
         self._checkpoints = [self._snapshot()]
 
     # -- feeding ----------------------------------------------------------------------
@@ -95,7 +93,7 @@ class StreamMatcher:
     def safe_point(self) -> int:
         """Raw byte offset before which text is final; pending UTF-8 bytes count as held back."""
         n = len(self.norm.text)
-        first_unsafe = min(n - self.depth, self._hold)
+        first_unsafe = min(n - self.depth, min(self._in_making.values(), default=n))
         if first_unsafe < n:
             return self.norm.raw_start[first_unsafe]
         return self.norm.decoded_len
@@ -103,6 +101,18 @@ class StreamMatcher:
     @property
     def tokens(self) -> int:
         return len(self._checkpoints) - 1
+
+    def checkpoint_raw(self, tokens: int) -> int:
+        """Raw bytes fed by the first `tokens` tokens."""
+        return self._checkpoints[tokens].raw_len
+
+    def clean_boundary_before(self, offset: int) -> int:
+        """The last token count whose boundary is at or before raw `offset` and splits no
+        UTF-8 character: where text may be released up to, or decoding rolled back to."""
+        k = len(self._checkpoints) - 1
+        while k > 0 and (self._checkpoints[k].raw_len > offset or self._checkpoints[k].pending):
+            k -= 1
+        return k
 
     def rollback(self, tokens: int) -> None:
         """Return to the state after the first `tokens` tokens (drops later matches too)."""
@@ -113,7 +123,7 @@ class StreamMatcher:
         del self.raw[cp.raw_len :]
         self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end)
         del self.matches[cp.n_matches :]
-        self.depth, self._hold = cp.depth, cp.hold
+        self.depth = cp.depth
         self._in_making = dict(cp.in_making)
         keep = max(self.rules.literals.max_len - 1, 0)
         self._tail = "".join(self.norm.text[-keep:]) if keep else ""
@@ -176,7 +186,6 @@ class StreamMatcher:
                 active.setdefault(i, before)
             prev = ch
         self._in_making = {}
-        self._hold = n
         if not active:
             return
         # The window holds every match in the making (none is longer than max_span + 1) and
@@ -213,7 +222,6 @@ class StreamMatcher:
                     continue
                 if s < n:
                     self._in_making[i] = s
-                    self._hold = min(self._hold, s)
                 return
             if e == s:  # an empty match says nothing
                 pos = s + 1
@@ -249,7 +257,6 @@ class StreamMatcher:
             last_end=norm.raw_end[-1] if norm.raw_end else 0,
             depth=self.depth,
             in_making=tuple(self._in_making.items()),
-            hold=self._hold,
             n_matches=len(self.matches),
         )
 

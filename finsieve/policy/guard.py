@@ -1,0 +1,224 @@
+"""Enforcement for one sequence: what to do with each sampled token, and what may be released.
+
+The engine asks, per step: which tokens are banned at this position (`banned`), then,
+for the token it sampled, what to do (`check`):
+
+  accept    the token stands;
+  resample  a `block` span lies inside this very token: ban it here and sample again;
+  rollback  a `block` span began in earlier tokens (SAR): keep the first `keep` tokens,
+            ban the span's first token at that position, decode again from there;
+  rewrite   a `rewrite` span: keep `keep` tokens and force `text` into the context;
+  halt      a `halt` span, or too many rollbacks: stop, deliver what was safe.
+
+Text is released only up to a token boundary at or before the matcher's safe point, and
+only where no UTF-8 character is split. Every rollback goes back to such a boundary at or
+before the span's start, so nothing released is ever taken back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .masks import MaskTables, TokenTable
+from .matcher import Match, StreamMatcher
+from .pack import Pack
+
+# Which action wins when one token completes several matches.
+_PRIORITY = {"halt": 0, "block": 1, "rewrite": 2, "redact": 3}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A compiled pack and its mask tables: what a request runs under, start to finish."""
+
+    pack: Pack
+    masks: MaskTables | None
+    version: str
+
+
+def compile_policy(directory: Path, tokens: TokenTable, luts: Path | None) -> tuple[Policy, str]:
+    """Load a rules directory and build its mask tables; raises schema.PackError."""
+    pack = Pack.load(directory)
+    masks = MaskTables.load_or_build(
+        tokens, pack.output.literal_patterns(("block",)), pack.version, luts)
+    return Policy(pack, masks, pack.version), pack.version
+
+
+class Verdict(enum.Enum):
+    ACCEPT = "accept"
+    RESAMPLE = "resample"
+    ROLLBACK = "rollback"
+    REWRITE = "rewrite"
+    HALT = "halt"
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """What the client (and the audit trail) is told about one policy action."""
+
+    rule_id: str
+    action: str
+    start: int  # characters of the delivered text
+    end: int
+    rolled_back: bool = False
+    tokens_recomputed: int = 0
+    message: str = ""
+    suppressed: str = ""  # the text that was not delivered (for the audit trail only)
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    keep: int = 0  # ROLLBACK/REWRITE: output tokens that stand
+    text: str = ""  # REWRITE: text forced after them
+    match: Match | None = None
+
+
+ACCEPT = Decision(Verdict.ACCEPT)
+
+
+@dataclass
+class Guard:
+    policy: Policy
+    token_bytes: list[bytes]
+    max_rollbacks: int = 8
+    matcher: StreamMatcher = field(init=False)
+    tokens: list[int] = field(default_factory=list)  # output tokens fed, in order
+    bans: dict[int, set[int]] = field(default_factory=dict)  # position -> banned token ids
+    rollbacks: int = 0
+    released: int = 0  # raw bytes delivered
+    released_tokens: int = 0  # output tokens wholly inside them
+    delivered_chars: int = 0
+    events: list[Intervention] = field(default_factory=list)  # not yet sent
+
+    def __post_init__(self) -> None:
+        self.matcher = StreamMatcher(self.policy.pack.output)
+
+    # -- before sampling ------------------------------------------------------------------
+
+    def banned(self) -> list[int]:
+        """Token ids that may not be sampled next."""
+        position = len(self.tokens)
+        masks = self.policy.masks
+        ids = masks.ban_set_for(self.matcher) if masks is not None else []
+        extra = self.bans.get(position)
+        return sorted(set(ids) | extra) if extra else ids
+
+    # -- after sampling -------------------------------------------------------------------
+
+    def check(self, token: int) -> Decision:
+        """Feed a sampled token; decide what happens to it."""
+        before = self.matcher.norm.raw_len
+        found = self.matcher.feed(self.token_bytes[token] if token < len(self.token_bytes) else b"")
+        self.tokens.append(token)
+        decision = self._decide(found, before, resample_ok=True)
+        if decision.verdict is Verdict.RESAMPLE:
+            self._undo_last()
+            self.bans.setdefault(len(self.tokens), set()).add(token)
+        return decision
+
+    def finish(self) -> Decision:
+        """The answer ends here (EOS, stop, length): settle what was waiting for more text."""
+        found = self.matcher.finish()
+        return self._decide(found, self.matcher.norm.raw_len, resample_ok=False)
+
+    def force(self, tokens: list[int]) -> None:
+        """Tokens put into the context by a rewrite: they are part of the answer."""
+        for t in tokens:
+            self.matcher.feed(self.token_bytes[t])
+            self.tokens.append(t)
+
+    def _decide(self, found: list[Match], before: int, resample_ok: bool) -> Decision:
+        acting = [m for m in found if m.rule.action != "redact"]
+        if not acting:
+            return ACCEPT
+        m = min(acting, key=lambda m: (_PRIORITY[m.rule.action], m.start))
+        if m.rule.action == "halt":
+            return Decision(Verdict.HALT, match=m)
+        if m.rule.action == "block" and resample_ok and m.start >= before:
+            return Decision(Verdict.RESAMPLE, match=m)
+        if self.rollbacks >= self.max_rollbacks:
+            return Decision(Verdict.HALT, match=m)
+        keep = self._boundary_before(m.start)
+        if m.rule.action == "rewrite":
+            prefix = bytes(self.matcher.raw[self.matcher.checkpoint_raw(keep) : m.start])
+            return Decision(Verdict.REWRITE, keep, prefix.decode("utf-8", "replace")
+                            + m.rule.replacement, m)
+        return Decision(Verdict.ROLLBACK, keep, match=m)
+
+    def rollback(self, decision: Decision) -> Intervention:
+        """Apply a ROLLBACK or REWRITE decision to the guard's own state."""
+        m = decision.match
+        assert m is not None
+        keep = decision.keep
+        recomputed = len(self.tokens) - keep
+        if decision.verdict is Verdict.ROLLBACK:
+            self.bans.setdefault(keep, set()).add(self.tokens[keep])
+        for position in [p for p in self.bans if p > keep]:
+            del self.bans[position]  # they were bans after another prefix
+        suppressed = bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace")
+        # Where the span would have been in the delivered text: after what stays.
+        at = self.delivered_chars + len(
+            self.matcher.render(self.released, self.matcher.checkpoint_raw(keep)))
+        end = at
+        if decision.verdict is Verdict.REWRITE:
+            at += len(decision.text) - len(m.rule.replacement)
+            end = at + len(m.rule.replacement)
+        self.matcher.rollback(keep)
+        del self.tokens[keep:]
+        self.rollbacks += 1
+        return Intervention(m.rule.id, m.rule.action, at, end, rolled_back=True,
+                            tokens_recomputed=recomputed, suppressed=suppressed)
+
+    def halt(self, decision: Decision) -> tuple[str, Intervention]:
+        """Deliver what was safe, never the halting span; the answer ends."""
+        m = decision.match
+        assert m is not None
+        end = min(self._release_point(), m.start)
+        text = self._take(end)
+        suppressed = bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace")
+        reason = m.rule.message if m.rule.action == "halt" else "too many rollbacks"
+        return text, Intervention(m.rule.id, m.rule.action, self.delivered_chars,
+                                  self.delivered_chars, message=reason, suppressed=suppressed)
+
+    # -- releasing text -------------------------------------------------------------------
+
+    def release(self, limit: int | None = None, final: bool = False) -> str:
+        """Text that is now final (redactions applied), up to `limit` raw bytes if given."""
+        end = self.matcher.norm.decoded_len if final else self._release_point()
+        if limit is not None:
+            end = min(end, limit)
+        return self._take(end)
+
+    def _take(self, end: int) -> str:
+        if end <= self.released:
+            return ""
+        text = self.matcher.render(self.released, end)
+        # Redactions now delivered: tell the client where they sit in the delivered text.
+        for m in sorted(self.matcher.matches, key=lambda m: m.start):
+            if m.rule.action == "redact" and self.released <= m.start and m.end <= end:
+                at = self.delivered_chars + len(self.matcher.render(self.released, m.start))
+                self.events.append(Intervention(
+                    m.rule.id, "redact", at, at + len(m.rule.replacement),
+                    suppressed=bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace"),
+                ))
+        self.released = end
+        self.released_tokens = self.matcher.clean_boundary_before(end)
+        self.delivered_chars += len(text)
+        return text
+
+    def _release_point(self) -> int:
+        return self._at_most(self.matcher.safe_point)
+
+    def _at_most(self, offset: int) -> int:
+        """The last clean token boundary (no split character) at or before offset."""
+        return self.matcher.checkpoint_raw(self._boundary_before(offset))
+
+    def _boundary_before(self, offset: int) -> int:
+        return self.matcher.clean_boundary_before(offset)
+
+    def _undo_last(self) -> None:
+        self.matcher.rollback(len(self.tokens) - 1)
+        self.tokens.pop()
