@@ -12,6 +12,7 @@ is touched; the rest of the batch decodes on.
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 from collections import defaultdict, deque
@@ -213,10 +214,13 @@ class LLMEngine:
         guard = seq.guard
         # Halts unless a token is accepted within MAX_RESAMPLES tries.
         decision, token, eos = Decision(Verdict.HALT), -1, False
-        for _ in range(MAX_RESAMPLES):
+        for attempt in range(MAX_RESAMPLES):
             row = logits
             banned = guard.banned()
             if banned:
+                top = int(torch.argmax(logits))
+                if attempt == 0 and _contains(banned, top) and (stopped := guard.masked(top)):
+                    events[seq.sink].append(seq.policy_event(stopped))  # the mask steered it
                 row = logits.clone()
                 row[torch.tensor(banned, device=logits.device)] = float("-inf")
                 if torch.isinf(row).all():  # nothing left to say that the rules allow
@@ -317,6 +321,11 @@ class LLMEngine:
         while not sink.finished:
             self.step()
         return sink.events
+
+
+def _contains(sorted_ids: list[int], token: int) -> bool:
+    i = bisect.bisect_left(sorted_ids, token)
+    return i < len(sorted_ids) and sorted_ids[i] == token
 
 
 def _blocked_here(guard: Guard, decision: Decision) -> Intervention:

@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-rules", dest="rules", action="store_const", const="",
                    help="serve unfiltered (for baselines)")
     s.add_argument("--state-dir", metavar="DIR")
+    s.add_argument("--luts", metavar="DIR", help="where token-mask tables are kept")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
     s.add_argument("--max-batch", type=int)
     s.add_argument("--max-context", type=int)

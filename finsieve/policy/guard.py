@@ -106,6 +106,16 @@ class Guard:
         extra = self.bans.get(position)
         return sorted(set(ids) | extra) if extra else ids
 
+    def masked(self, token: int) -> Intervention | None:
+        """If `token` (the model's first choice) was masked: the rule it would have broken."""
+        found = self.matcher.feed(self.token_bytes[token])
+        self.matcher.rollback(len(self.tokens))
+        m = next((m for m in found if m.rule.action == "block"), None)
+        if m is None:
+            return None
+        at = self.delivered_chars + len(self.matcher.render(self.released, self.matcher.norm.raw_len))
+        return Intervention(m.rule.id, "block", at, at, suppressed=m.text)
+
     # -- after sampling -------------------------------------------------------------------
 
     def check(self, token: int) -> Decision:
