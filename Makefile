@@ -47,6 +47,8 @@ test-gpu: setup
 
 bench: setup
 	$(BIN)/python bench/bench_foundation.py
+	$(BIN)/python bench/bench_rules.py
+	$(BIN)/python bench/bench_enforcement.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

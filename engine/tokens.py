@@ -70,10 +70,6 @@ class IncrementalText:
         self.text += new
         return new
 
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._decoder.getstate()[0])
-
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:
     """Index in `text` where the earliest stop string starts, at or after search_from; -1 if none."""
