@@ -7,6 +7,8 @@ On the CPU with the default model, in-process (no gRPC, so only the engine's cos
     `bad_words_ids` (each block literal's plain tokenizations), and finsieve's rules;
   * tokens/s with rules on vs off, 1 and 8 concurrent streams, rounds interleaved and the
     overhead taken as the median of per-round ratios;
+  * the rules' own cost: wall time inside the guard per token and as a share of the run
+    (end-to-end tok/s on a shared 2-core machine drifts by ~10% between minutes);
   * inter-token latency p50/p99 (one decode step), held-back characters, rollbacks per
     1,000 tokens on the zero-leak prompts.
 Prints tables and writes bench/results/enforcement.json.
@@ -26,7 +28,7 @@ from finsieve.engine.engine import NO_POLICY, EngineLimits, LLMEngine, _Collecti
 from finsieve.engine.loader import load_model
 
 from finsieve.client import chat_request
-from finsieve.policy.guard import Policy, compile_policy
+from finsieve.policy.guard import Guard, Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import scan_text
 
@@ -44,6 +46,24 @@ CLEAN = [
     "Write a guide to building an emergency fund.",
     "Explain what a stock exchange does, in detail.",
 ]
+
+
+class PolicyClock:
+    """Wall time spent inside the guard (mask, lazy check, release): the rules' own cost."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        for name in ("banned", "check", "finish", "release", "masked", "rollback", "halt"):
+            setattr(Guard, name, self._timed(getattr(Guard, name)))
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return wrapper
 
 
 def pct(values: list[float], q: float) -> float:
@@ -68,6 +88,7 @@ def run_batch(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict:
         engine.submit(seq)
         seqs.append(seq)
     steps, held = [], []
+    policy_before = CLOCK.seconds
     start = time.perf_counter()
     while not all(s.finished for s in sinks):
         t = time.perf_counter()
@@ -82,6 +103,7 @@ def run_batch(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict:
     rollbacks = sum(1 for s in sinks for e in s.events
                     if e.WhichOneof("event") == "policy_event" and e.policy_event.rolled_back)
     return {"wall_s": wall, "tokens": tokens, "steps": steps[1:], "held": held,
+            "policy_s": CLOCK.seconds - policy_before,
             "rollbacks": rollbacks, "texts": [text_of(s.events) for s in sinks]}
 
 
@@ -100,7 +122,12 @@ def hf_bad_words(model, tokenizer, policy: Policy, prompts: list[str], max_token
     return out
 
 
+CLOCK: PolicyClock
+
+
 def main() -> None:
+    global CLOCK
+    CLOCK = PolicyClock()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
@@ -149,6 +176,11 @@ def main() -> None:
         row["overhead_pct"] = 100 * (statistics.median(
             (off["tokens"] / off["wall_s"]) / (on["tokens"] / on["wall_s"])
             for off, on in zip(runs["off", n], runs["on", n], strict=True)) - 1)
+        on_runs = runs["on", n]
+        row["policy_share_pct"] = 100 * sum(r["policy_s"] for r in on_runs) / sum(
+            r["wall_s"] for r in on_runs)
+        row["policy_us_per_token"] = 1e6 * sum(r["policy_s"] for r in on_runs) / sum(
+            r["tokens"] for r in on_runs)
         held = [h for r in runs["on", n] for h in r["held"]]
         row["held_chars"] = {"p50": pct(held, 0.5), "p90": pct(held, 0.9), "p99": pct(held, 0.99),
                              "max": max(held, default=0)}
@@ -158,12 +190,14 @@ def main() -> None:
     print(f"leaks on {lk['prompts']} zero-leak prompts (greedy, 40 tokens): no rules {lk['no_rules']}, "
           f"transformers bad_words_ids {lk['hf_bad_words_ids']}, finsieve {lk['finsieve']}; "
           f"rollbacks per 1,000 tokens {lk['rollbacks_per_1000_tokens']:.1f}")
-    print(f"\n{'streams':>7} {'tok/s off':>10} {'tok/s on':>9} {'overhead':>9} {'ITL p50 off/on ms':>19} "
-          f"{'ITL p99 off/on ms':>19} {'held chars p50/p90/p99/max':>27}")
+    print(f"\n{'streams':>7} {'tok/s off':>10} {'tok/s on':>9} {'overhead':>9} {'rules work':>11} "
+          f"{'µs/token':>9} {'ITL p50 off/on ms':>19} {'ITL p99 off/on ms':>19} "
+          f"{'held chars p50/p90/p99/max':>27}")
     for r in result["throughput"]:
         h = r["held_chars"]
         print(f"{r['streams']:>7} {r['tokens_per_s_off']:>10.1f} {r['tokens_per_s_on']:>9.1f} "
-              f"{r['overhead_pct']:>8.1f}% {r['itl_p50_ms_off']:>9.1f}/{r['itl_p50_ms_on']:<9.1f}"
+              f"{r['overhead_pct']:>8.1f}% {r['policy_share_pct']:>10.2f}% "
+              f"{r['policy_us_per_token']:>9.0f} {r['itl_p50_ms_off']:>9.1f}/{r['itl_p50_ms_on']:<9.1f}"
               f"{r['itl_p99_ms_off']:>9.1f}/{r['itl_p99_ms_on']:<9.1f}"
               f"{h['p50']:>8}/{h['p90']}/{h['p99']}/{h['max']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -256,3 +256,11 @@ def test_no_rules_serves_unfiltered(tmp_path, default_model_dir):
         srv.stop()
     assert events[0].started.policy_version == "none"
     assert "20% a year" in text_of(events)
+
+
+def test_an_empty_rules_directory_serves_unfiltered(under, tokens, tmp_path):
+    policy, version = compile_policy(tmp_path, tokens, None)
+    assert policy.pack.rules == () and version != "none"
+    events = ask(under(policy), ZERO_LEAK["returns of 20% a year"], max_tokens=20)
+    assert events[0].started.policy_version == version
+    assert "20% a year" in text_of(events)
