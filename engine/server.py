@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from finsieve.errors import RequestError
+from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 from .engine import LLMEngine
@@ -26,8 +27,9 @@ class StreamSink:
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, rules: PolicyHolder | None = None) -> None:
         self.engine = engine
+        self.rules = rules  # for the reload counts the gateway turns into admin audit events
 
     async def Generate(
         self,
@@ -69,4 +71,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             max_context=e.max_context,
             max_batch=e.max_batch,
             device=str(e.device),
+            pack_loads=self.rules.loads if self.rules else 0,
+            pack_rejections=self.rules.rejections if self.rules else 0,
+            last_rejection=self.rules.last_rejection if self.rules else "",
         )

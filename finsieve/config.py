@@ -35,6 +35,17 @@ class Settings:
     max_rollbacks: int = _setting(8, "rollbacks (SAR) per request before it halts")
     state_dir: str = _setting(".finsieve", "state: converted model, embedded Valkey data")
     redis_url: str = _setting("", "Redis/Valkey URL; empty = start an embedded Valkey")
+    audit_key: str = _setting("", "HMAC key of the audit chain (secret); empty = audit_key_file")
+    audit_key_file: str = _setting(
+        "", "file holding the HMAC key; empty = <state dir>/audit.key, made on first start")
+    audit_fail_open: bool = _setting(
+        False, "serve a request even if its audit record cannot be written (default: refuse)")
+    appendfsync: Literal["always", "everysec", "no"] = _setting(
+        "everysec", "embedded Valkey's AOF fsync policy (see README: what each can lose)")
+    cache_ttl_s: int = _setting(3600, "response cache entry lifetime; 0 = no cache")
+    cache_max_bytes: int = _setting(262144, "largest response the cache keeps")
+    audit_retention_days: float = _setting(
+        0.0, "delete audit records older than this (behind a signed checkpoint); 0 = keep all")
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
     max_batch: int = _setting(8, "sequences decoded together (KV cache slots)")
     max_context: int = _setting(2048, "tokens per sequence, prompt + completion")

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import signal
 import threading
-from collections.abc import Callable
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import redis.asyncio as redis
 import structlog
 
-from finsieve.config import Settings
+from finsieve.config import ConfigError, Settings
+from finsieve.gateway.audit import AuditError, AuditLog
+from finsieve.gateway.audit_service import AuditService
+from finsieve.gateway.cache import ResponseCache
+from finsieve.gateway.engines import EnginePool
 from finsieve.gateway.server import GatewayService
 from finsieve.grpc_server import RunningServer, Service, start_server
-from finsieve.policy.guard import Policy
-from finsieve.v1 import chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
+from finsieve.policy.reload import PolicyHolder
+from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
@@ -28,18 +35,24 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
+        client = None
         if settings.role in ("all", "gateway"):
             # First: valkey-server is forked before gRPC starts its threads.
-            await _start_redis(settings, stack)
+            client = await _start_redis(settings, stack)
         if settings.role in ("all", "engine"):
             address = await _start_engine(settings, stack)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
-        if settings.role in ("all", "gateway"):
-            gateway, running = await _start_gateway(settings, engine_addresses, stack)
+        if client is not None:
+            audit = AuditLog(client, _audit_key(settings))
+            gateway, running = await _start_gateway(settings, engine_addresses, audit, client, stack)
+            await _admin(audit, {"event": "server_start", "role": settings.role})
+            watch = asyncio.create_task(_watch_admin(gateway.engines, audit, settings))
             await stop.wait()
+            watch.cancel()
             await running.set_serving(False)  # load balancers stop sending first
             log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
             await gateway.drain(settings.drain_seconds)
+            await _admin(audit, {"event": "server_stop", "role": settings.role})
         else:
             await stop.wait()
     log.info("stopped")
@@ -56,8 +69,10 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
     limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
                           settings.batch_invariant, settings.max_rollbacks)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
+    holder = None
     if settings.rules:
-        engine.policy = await asyncio.to_thread(_watch_rules, settings, engine.token_bytes, stack)
+        holder = await asyncio.to_thread(_watch_rules, settings, engine.token_bytes, stack)
+        engine.policy = lambda: holder.current
     else:
         log.warning("serving without rules (--no-rules): answers are not filtered")
     thread = threading.Thread(target=engine.run, name="engine-loop", daemon=True)
@@ -68,7 +83,7 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
     port = settings.engine_port if settings.role == "engine" else 0
     service = Service(
         engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
-        EngineService(engine),
+        EngineService(engine, holder),
         engine_pb2_grpc.add_EngineServicer_to_server,
     )
     running = await start_server(f"{host}:{port}", [service])
@@ -78,12 +93,11 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
     return f"{host}:{running.port}"
 
 
-def _watch_rules(settings: Settings, token_bytes: list[bytes],
-                 stack: AsyncExitStack) -> Callable[[], Policy]:
+def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitStack) -> PolicyHolder:
     """Compile the rules directory now (a bad pack stops start-up) and on every change."""
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
-    from finsieve.policy.reload import PolicyHolder, RulesWatcher
+    from finsieve.policy.reload import RulesWatcher
 
     directory, luts = Path(settings.rules), Path(settings.luts)
     tokens = TokenTable.load_or_build(token_bytes, luts)
@@ -93,37 +107,96 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes],
     watcher.start()
     stack.callback(watcher.stop)
     log.info("rules loaded", version=version, rules=len(policy.pack.rules), directory=str(directory))
-    return lambda: holder.current
+    return holder
 
 
-async def _start_redis(settings: Settings, stack: AsyncExitStack) -> None:
+async def _start_redis(settings: Settings, stack: AsyncExitStack) -> redis.Redis:
     url = settings.redis_url
     if not url:
-        valkey = EmbeddedValkey(settings.state_path / "valkey")
+        valkey = EmbeddedValkey(settings.state_path / "valkey", settings.appendfsync)
         url = await asyncio.to_thread(valkey.start)
         stack.callback(valkey.stop)
-        log.info("embedded valkey started", pid=valkey.process.pid, port=valkey.port)
+        log.info("embedded valkey started", pid=valkey.process.pid, port=valkey.port,
+                 appendfsync=settings.appendfsync)
     client = await connect(url)
     stack.push_async_callback(client.aclose)
     log.info("redis connected", url=redact(url))
+    return client
+
+
+def _audit_key(settings: Settings) -> bytes:
+    """The chain's HMAC key: configured, or a file (made with a random key on first start)."""
+    if settings.audit_key:
+        return settings.audit_key.encode()
+    path = Path(settings.audit_key_file) if settings.audit_key_file else settings.state_path / "audit.key"
+    if not path.exists():
+        if settings.audit_key_file:
+            raise ConfigError(f"--audit-key-file {path}: no such file")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        log.info("audit key created", path=str(path))
+    return path.read_text().strip().encode()
 
 
 async def _start_gateway(
-    settings: Settings, engines: list[str], stack: AsyncExitStack
+    settings: Settings, engines: list[str], audit: AuditLog, client: redis.Redis,
+    stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
-    from finsieve.gateway.engines import EnginePool
     from finsieve.gateway.validation import Limits
 
     pool = EnginePool(engines)
     stack.push_async_callback(pool.close)
-    gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes))
-    service = Service(
-        chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
-        gateway,
-        chat_pb2_grpc.add_GatewayServicer_to_server,
-    )
-    running = await start_server(f"{settings.host}:{settings.port}", [service])
+    cache = ResponseCache(client, settings.cache_ttl_s, settings.cache_max_bytes) \
+        if settings.cache_ttl_s > 0 else None
+    gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
+                             audit, cache, settings.audit_fail_open)
+    services = [
+        Service(chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
+                chat_pb2_grpc.add_GatewayServicer_to_server),
+        Service(audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
+                AuditService(audit), audit_pb2_grpc.add_AuditServiceServicer_to_server),
+    ]
+    running = await start_server(f"{settings.host}:{settings.port}", services)
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)
     log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines)
     return gateway, running
+
+
+async def _admin(audit: AuditLog, body: dict) -> None:
+    try:
+        await audit.append("admin", body)
+    except AuditError as e:
+        log.error("admin audit event lost", event=body.get("event"), error=str(e))
+
+
+async def _watch_admin(engines: EnginePool, audit: AuditLog, settings: Settings) -> None:
+    """Rule pack loads and rejections (seen through the engines' Info) become admin records;
+    retention trims the trail once an hour."""
+    seen: dict[str, tuple[int, int]] = {}
+    next_trim = 0.0
+    while True:
+        for client in engines.clients:
+            info = await client.info()
+            if info is None:
+                continue
+            loads, rejections = seen.get(client.address, (info.pack_loads, info.pack_rejections))
+            if info.pack_loads > loads:
+                await _admin(audit, {"event": "rule_pack_loaded", "engine": client.address,
+                                     "policy_version": info.policy_version})
+            if info.pack_rejections > rejections:
+                await _admin(audit, {"event": "rule_pack_rejected", "engine": client.address,
+                                     "policy_version": info.policy_version,
+                                     "reason": info.last_rejection})
+            seen[client.address] = (info.pack_loads, info.pack_rejections)
+        if settings.audit_retention_days > 0 and time.monotonic() >= next_trim:
+            cutoff = int((time.time() - settings.audit_retention_days * 86400) * 1000)
+            try:
+                if trimmed := await audit.trim(cutoff):
+                    log.info("audit trail trimmed", records=trimmed)
+            except (AuditError, redis.RedisError) as e:
+                log.error("audit trim failed", error=str(e))
+            next_trim = time.monotonic() + 3600
+        await asyncio.sleep(1.0)

@@ -11,7 +11,7 @@ import structlog
 
 from finsieve.errors import RequestError
 from finsieve.grpc_server import CHANNEL_OPTIONS
-from finsieve.v1 import chat_pb2, engine_pb2_grpc
+from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +63,12 @@ class EngineClient:
                 await call.write(chat_pb2.ChatClientMessage(cancel=chat_pb2.Cancel(request_id=request_id)))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the stream is gone; _read fails the request
+
+    async def info(self, timeout: float = 2.0) -> engine_pb2.EngineInfo | None:
+        try:
+            return await self._stub.Info(engine_pb2.InfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
 
     async def close(self) -> None:
         if self._call is not None:
@@ -131,6 +137,13 @@ class EnginePool:
             except RequestError as e:
                 errors.append(e.message)
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "no engine available: " + "; ".join(errors))
+
+    async def info(self) -> engine_pb2.EngineInfo | None:
+        """What the engine a request would go to runs now (model, policy version)."""
+        for client in sorted(self.clients, key=lambda c: c.in_flight):
+            if (info := await client.info()) is not None:
+                return info
+        return None
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))

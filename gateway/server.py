@@ -18,7 +18,10 @@ import structlog
 from finsieve.errors import RequestError, invalid
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
+from .audit import AuditError, AuditLog
+from .cache import ResponseCache, cache_key
 from .engines import TERMINAL, EngineClient, EnginePool
+from .trace import Trace
 from .validation import Limits, validate
 
 log = structlog.get_logger(__name__)
@@ -44,11 +47,16 @@ class _Stream:
 
 
 class GatewayService(chat_pb2_grpc.GatewayServicer):
-    def __init__(self, engines: EnginePool, limits: Limits) -> None:
+    def __init__(self, engines: EnginePool, limits: Limits, audit: AuditLog | None = None,
+                 cache: ResponseCache | None = None, audit_fail_open: bool = False) -> None:
         self.engines = engines
         self.limits = limits
+        self.audit = audit
+        self.cache = cache
+        self.audit_fail_open = audit_fail_open
         self.draining = False
         self._streams: set[_Stream] = set()
+        self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores
 
     async def Chat(
         self,
@@ -99,26 +107,76 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             return
         flight = _InFlight(self.engines.new_id())
         stream.in_flight[client_id] = flight
-        started = time.monotonic()
+        trace = Trace(req)
+        key = await self._cache_key(req, trace)
 
         def relay(event: chat_pb2.ChatServerMessage) -> None:
             event.request_id = client_id
+            trace.observe(event)
             if event.HasField("policy_event"):
                 event.policy_event.suppressed = ""  # for the audit trail, never for the client
+            trace.events.append(event)
             stream.out.put_nowait(event)
-            kind = event.WhichOneof("event")
-            if kind in TERMINAL:
+            if event.WhichOneof("event") in TERMINAL:
                 stream.in_flight.pop(client_id, None)
-                _log_outcome(event, started)
+                _log_outcome(event, trace.started)
+                self._in_background(self._complete(trace, key))
                 stream.close_if_idle(self.draining)
 
-        internal = chat_pb2.ChatRequest()
-        internal.CopyFrom(req)
-        internal.request_id = flight.internal_id
+        if key is not None and self.cache is not None and (hit := await self.cache.get(key)):
+            trace.cache_hit = True
+            for event in hit:
+                if event.HasField("started"):
+                    event.started.cache_hit = True
+                relay(event)
+            return
         try:
+            await self._audit_started(trace)
+            internal = chat_pb2.ChatRequest()
+            internal.CopyFrom(req)
+            internal.request_id = flight.internal_id
             flight.engine = await self.engines.submit(internal, relay)
         except RequestError as e:
             relay(e.to_event(client_id))
+
+    async def _cache_key(self, req: chat_pb2.ChatRequest, trace: Trace) -> str | None:
+        """The cache key under the model and policy version in force now, if cacheable."""
+        if self.cache is None:
+            return None
+        info = await self.engines.info()
+        if info is None:
+            return None
+        return cache_key(trace.identity()["tenant"], info.model, info.policy_version, req)
+
+    async def _audit_started(self, trace: Trace) -> None:
+        """The "started" record goes in before any byte is streamed (fail closed by default)."""
+        if self.audit is None:
+            return
+        try:
+            await self.audit.append("request_started", trace.started_record())
+        except AuditError as e:
+            log.error("audit trail unavailable", error=str(e), fail_open=self.audit_fail_open)
+            if not self.audit_fail_open:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   "the audit trail is unavailable; the request was refused") from None
+
+    async def _complete(self, trace: Trace, key: str | None) -> None:
+        """After the terminal event: the full audit record, then the cache entry."""
+        if self.audit is not None:
+            try:
+                await self.audit.append("request", trace.final_record())
+            except AuditError as e:
+                log.error("audit record lost", error=str(e))
+        t = trace.terminal
+        if (key is not None and self.cache is not None and not trace.cache_hit and t is not None
+                and t.WhichOneof("event") == "finished"
+                and t.finished.finish_reason != chat_pb2.FINISH_REASON_CANCELLED):
+            await self.cache.put(key, trace.events)
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def in_flight(self) -> int:
         return sum(len(s.in_flight) for s in self._streams)
@@ -132,6 +190,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         while self.in_flight() and time.monotonic() < end:
             await asyncio.sleep(0.05)
         left = self.in_flight()
+        if self._background:  # audit records of what just finished
+            await asyncio.wait(list(self._background), timeout=max(1.0, end - time.monotonic()))
         log.info("drained", unfinished=left)
 
 

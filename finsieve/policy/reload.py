@@ -45,13 +45,17 @@ class PolicyHolder(Generic[T]):
         self.version = version
         self.events: deque[AdminEvent] = deque(maxlen=1000)
         self.events.append(AdminEvent("rule_pack_loaded", version))
+        self.loads, self.rejections, self.last_rejection = 1, 0, ""
 
     def swap(self, policy: T, version: str) -> None:
         self.current, self.version = policy, version
         self.events.append(AdminEvent("rule_pack_loaded", version))
+        self.loads += 1
 
     def reject(self, reason: str) -> None:
         self.events.append(AdminEvent("rule_pack_rejected", self.version, reason))
+        self.rejections += 1
+        self.last_rejection = reason
 
 
 class RulesWatcher(Generic[T]):
