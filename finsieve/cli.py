@@ -77,6 +77,30 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("--seed", type=int, help="seed of the random chunking (default: random)")
     rs.set_defaults(run=_rules_scan)
 
+    a = sub.add_parser("audit", help="query, show, verify and export the audit trail")
+    a_sub = a.add_subparsers(required=True, metavar="ACTION")
+
+    def audit_parser(name: str, help: str, run, filters: bool = True) -> argparse.ArgumentParser:
+        p = a_sub.add_parser(name, help=help)
+        p.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
+        if filters:
+            p.add_argument("--since", type=_when, default=0,
+                           help="1h, 30m, 7d ago; an ISO time; or Unix milliseconds")
+            p.add_argument("--until", type=_when, default=0)
+        p.set_defaults(run=run)
+        return p
+
+    q = audit_parser("query", "records matching filters", _audit_query)
+    for flag in ("--rule", "--action", "--user", "--tenant", "--finish-reason", "--request-id"):
+        q.add_argument(flag, default="")
+    q.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
+    q.add_argument("--limit", type=int, default=50)
+    show = audit_parser("show", "one record in full", _audit_show, filters=False)
+    show.add_argument("seq", type=int)
+    audit_parser("verify", "check the chain: exit 0 intact, 1 at the first broken record",
+                 _audit_verify)
+    audit_parser("export", "every record of a time range as JSON lines on stdout", _audit_export)
+
     c = sub.add_parser("chat", help="stream one answer from a gateway")
     c.add_argument("question")
     c.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
@@ -224,6 +248,125 @@ def _name(reason: int) -> str:
 
 
 _STATUS_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def _when(text: str) -> int:
+    """A time as Unix milliseconds: "90s", "30m", "1h", "7d" ago, ISO 8601, or milliseconds."""
+    import datetime as dt
+    import time
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+            return int((time.time() - float(text[:-1]) * units[text[-1]]) * 1000)
+        if text.isdigit():
+            return int(text)
+        when = dt.datetime.fromisoformat(text)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        return int(when.timestamp() * 1000)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected 90s, 30m, 1h, 7d, an ISO time or Unix milliseconds") from None
+
+
+def _audit_call(args: argparse.Namespace, call) -> int:
+    from finsieve.v1 import audit_pb2_grpc
+
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(args.target) as channel:
+            return await call(audit_pb2_grpc.AuditServiceStub(channel))
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"finsieve audit: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def _query(args: argparse.Namespace):
+    from finsieve.v1 import audit_pb2
+
+    return audit_pb2.AuditQuery(
+        since_ms=args.since, until_ms=args.until, tenant=getattr(args, "tenant", ""),
+        user=getattr(args, "user", ""), rule_id=getattr(args, "rule", ""),
+        action=getattr(args, "action", ""), finish_reason=getattr(args, "finish_reason", ""),
+        request_id=getattr(args, "request_id", ""))
+
+
+def _audit_query(args: argparse.Namespace) -> int:
+    import csv
+
+    columns = ("seq", "time", "type", "tenant", "user", "request_id", "finish_reason", "rules")
+
+    def row(rec: dict) -> dict:
+        import datetime as dt
+
+        return {"seq": rec["seq"], "type": rec["type"],
+                "time": dt.datetime.fromtimestamp(rec["ts_ms"] / 1000, dt.UTC).isoformat(
+                    timespec="seconds"),
+                "tenant": rec.get("tenant", ""), "user": rec.get("user", ""),
+                "request_id": rec.get("request_id", rec.get("event", "")),
+                "finish_reason": rec.get("finish_reason", ""),
+                "rules": " ".join(f"{i['rule_id']}:{i['action']}" for i in rec.get("interventions", []))}
+
+    async def call(stub) -> int:
+        query = _query(args)
+        query.page_size = min(args.limit, 1000)
+        page = await stub.Query(query)
+        records = [json.loads(r.json) for r in page.records]
+        if args.format == "jsonl":
+            for rec in records:
+                print(json.dumps(rec, ensure_ascii=False, sort_keys=True))
+        elif args.format == "csv":
+            writer = csv.DictWriter(sys.stdout, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(row(r) for r in records)
+        else:
+            print("  ".join(f"{c:<{w}}" for c, w in zip(columns, _WIDTHS, strict=True)))
+            for r in map(row, records):
+                print("  ".join(f"{r[c]!s:<{w}}" for c, w in zip(columns, _WIDTHS, strict=True)))
+        return 0
+
+    return _audit_call(args, call)
+
+
+_WIDTHS = (6, 25, 15, 10, 10, 16, 14, 0)
+
+
+def _audit_show(args: argparse.Namespace) -> int:
+    from finsieve.v1 import audit_pb2
+
+    async def call(stub) -> int:
+        rec = await stub.Get(audit_pb2.AuditGetRequest(seq=args.seq))
+        print(json.dumps(json.loads(rec.json), ensure_ascii=False, indent=2, sort_keys=True))
+        return 0
+
+    return _audit_call(args, call)
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    from finsieve.v1 import audit_pb2
+
+    async def call(stub) -> int:
+        v = await stub.Verify(audit_pb2.AuditVerifyRequest(since_ms=args.since, until_ms=args.until))
+        if v.ok:
+            print(f"audit trail intact: {v.checked} records checked")
+            return 0
+        print(f"audit trail BROKEN at record {v.first_bad_seq}: {v.reason} "
+              f"({v.checked} records checked before it)")
+        return 1
+
+    return _audit_call(args, call)
+
+
+def _audit_export(args: argparse.Namespace) -> int:
+    async def call(stub) -> int:
+        async for rec in stub.Export(_query(args)):
+            print(json.dumps(json.loads(rec.json), ensure_ascii=False, sort_keys=True))
+        return 0
+
+    return _audit_call(args, call)
 
 
 if __name__ == "__main__":

@@ -143,17 +143,18 @@ class AuditLog:
         """Records matching the filters, oldest first; and the offset of the next page."""
         until = f.until_ms or int(time.time() * 1000)
         out: list[dict[str, Any]] = []
-        pos = offset
-        while len(out) < limit:
+        pos = offset  # entries of the index consumed so far
+        while True:
             seqs = await self.redis.zrangebyscore(f.index(), f.since_ms, until,
                                                   start=pos, num=max(limit, 200))
             if not seqs:
                 return out, None
-            pos += len(seqs)
-            for raw in await self.redis.mget([record_key(int(s)) for s in seqs]):
-                if raw and f.accepts(rec := json.loads(raw)) and len(out) < limit:
+            for k, raw in enumerate(await self.redis.mget([record_key(int(s)) for s in seqs])):
+                if raw and f.accepts(rec := json.loads(raw)):
                     out.append(rec)
-        return out, pos
+                    if len(out) == limit:
+                        return out, pos + k + 1
+            pos += len(seqs)
 
     async def export(self, f: Filters) -> AsyncIterator[dict[str, Any]]:
         offset: int | None = 0

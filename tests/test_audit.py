@@ -1,0 +1,301 @@
+"""The audit trail and the response cache on a real Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import redis.asyncio as redis
+from conftest import ChatStream, free_port, start_server, text_of
+from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from finsieve.client import chat_request
+from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
+from finsieve.valkey import EmbeddedValkey
+
+KEY = b"test-key"
+
+
+@pytest.fixture
+def valkey(tmp_path) -> EmbeddedValkey:
+    server = EmbeddedValkey(tmp_path / "valkey", appendfsync="always")
+    server.start()
+    yield server
+    server.stop()
+
+
+def with_log(valkey: EmbeddedValkey, fn):
+    async def run():
+        client = redis.Redis(port=valkey.port)
+        try:
+            return await fn(AuditLog(client, KEY), client)
+        finally:
+            await client.aclose()
+    return asyncio.run(run())
+
+
+async def fill(log: AuditLog, n: int) -> None:
+    for i in range(n):
+        await log.append("request", {"request_id": f"r{i}", "user": f"u{i % 3}",
+                                     "interventions": [{"rule_id": "card", "action": "redact"}]
+                                     if i % 4 == 0 else []})
+
+
+def test_chain_verifies_and_queries_use_the_indexes(valkey):
+    async def go(log, _):
+        await fill(log, 30)
+        by_rule, _ = await log.query(Filters(rule_id="card"), limit=100)
+        by_user, next_page = await log.query(Filters(user="u1"), limit=5)
+        rest, _ = await log.query(Filters(user="u1"), limit=100, offset=next_page)
+        return await log.verify(), by_rule, by_user + rest
+
+    verdict, by_rule, by_user = with_log(valkey, go)
+    assert verdict.ok and verdict.checked == 30
+    assert [r["request_id"] for r in by_rule] == [f"r{i}" for i in range(0, 30, 4)]
+    assert [r["request_id"] for r in by_user] == [f"r{i}" for i in range(1, 30, 3)]
+
+
+@pytest.mark.parametrize("tamper", ["change a field", "delete a record", "swap two records",
+                                    "insert a forged record"])
+def test_verify_names_the_exact_broken_record(valkey, tamper):
+    async def go(log, client):
+        await fill(log, 10)
+        rec = json.loads(await client.get(record_key(5)))
+        if tamper == "change a field":
+            rec["user"] = "someone-else"
+            await client.set(record_key(5), json.dumps(rec))
+        elif tamper == "delete a record":
+            await client.delete(record_key(5))
+        elif tamper == "swap two records":
+            a, b = await client.get(record_key(5)), await client.get(record_key(6))
+            await client.set(record_key(5), b)
+            await client.set(record_key(6), a)
+        else:  # a forged record sealed with a guessed key, linked into place
+            forged = dict(rec, request_id="forged", seq=5)
+            import hmac as h
+
+            from finsieve.gateway.audit import canonical
+            forged["hmac"] = h.new(b"guess", canonical(forged), "sha256").hexdigest()
+            await client.set(record_key(5), json.dumps(forged))
+        return await log.verify()
+
+    verdict = with_log(valkey, go)
+    assert not verdict.ok
+    assert verdict.first_bad_seq == 5, verdict
+    assert verdict.checked == 4
+
+
+def test_two_gateway_processes_appending_at_once_never_fork_the_chain(valkey):
+    script = (
+        "import asyncio, sys, redis.asyncio as r\n"
+        "from finsieve.gateway.audit import AuditLog\n"
+        "async def main():\n"
+        f"    log = AuditLog(r.Redis(port={valkey.port}), {KEY!r})\n"
+        "    for i in range(150):\n"
+        "        await log.append('request', {'request_id': sys.argv[1] + str(i)})\n"
+        "asyncio.run(main())\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, name]) for name in ("a", "b")]
+    assert [p.wait(120) for p in procs] == [0, 0]
+
+    async def go(log, client):
+        return await log.verify(), await client.zcard(TIME)
+
+    verdict, count = with_log(valkey, go)
+    assert verdict.ok and verdict.checked == count == 300
+
+
+def test_kill_9_under_appendfsync_always_loses_no_acknowledged_record(valkey, tmp_path):
+    with_log(valkey, lambda log, _: fill(log, 50))
+    os.kill(valkey.process.pid, signal.SIGKILL)
+    valkey.process.wait()
+    valkey.process = None
+    restarted = EmbeddedValkey(valkey.data_dir, appendfsync="always")
+    restarted.start()
+    try:
+        async def go(log, client):
+            return await log.verify(), await client.zcard(TIME)
+
+        verdict, count = with_log(restarted, go)
+    finally:
+        restarted.stop()
+    assert count == 50 and verdict.ok and verdict.checked == 50
+
+
+def test_retention_trims_behind_a_signed_checkpoint(valkey):
+    async def go(log, client):
+        await fill(log, 5)
+        await asyncio.sleep(0.01)  # records 6.. are strictly younger than 1..5
+        await fill(log, 5)
+        trimmed = await log.trim(json.loads(await client.get(record_key(6)))["ts_ms"])
+        ok = await log.verify()
+        first = min(int(s) for s in await client.zrange(TIME, 0, -1))
+        rec = json.loads(await client.get(record_key(first)))
+        rec["prev"] = "0" * 64
+        await client.set(record_key(first), json.dumps(rec))
+        return trimmed, ok, await log.verify(), first
+
+    trimmed, ok, broken, first = with_log(valkey, go)
+    assert trimmed == 5 and ok.ok and ok.checked == 5
+    assert not broken.ok and broken.first_bad_seq == first
+
+
+# -- through the server ----------------------------------------------------------------
+
+
+def audit_stub(target: str, fn):
+    async def run():
+        async with grpc.aio.insecure_channel(target) as ch:
+            return await fn(audit_pb2_grpc.AuditServiceStub(ch))
+    return asyncio.run(run())
+
+
+def records_for(target: str, request_id: str) -> list[dict]:
+    page = audit_stub(target, lambda s: s.Query(audit_pb2.AuditQuery(request_id=request_id,
+                                                                       page_size=100)))
+    return [json.loads(r.json) for r in page.records]
+
+
+def run_requests(target: str, requests: list[chat_pb2.ChatRequest], cancel: str = "") -> dict:
+    async def go():
+        async with ChatStream(target) as s:
+            for r in requests:
+                s.send(r)
+            if cancel:
+                while not any(e.request_id == cancel and e.WhichOneof("event") == "delta"
+                              for e in s.events):
+                    await s.next()
+                s.cancel(cancel)
+            return await s.until_done(*(r.request_id for r in requests))
+    return asyncio.run(go())
+
+
+def tagged(request_id: str, question: str, **kw) -> chat_pb2.ChatRequest:
+    req = chat_request(request_id, question, **kw)
+    req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
+    return req
+
+
+def test_a_deterministic_answer_is_replayed_from_the_cache(server):
+    req = tagged("cache-1", "Name one kind of bond.", max_tokens=12)
+    first = run_requests(server.target, [req])["cache-1"]
+    req.request_id = "cache-2"
+    second = run_requests(server.target, [req])["cache-2"]
+    assert not first[0].started.cache_hit and second[0].started.cache_hit
+    assert text_of(second) == text_of(first) != ""
+    assert second[-1].finished == first[-1].finished
+    (record,) = records_for(server.target, "cache-2")
+    assert record["cache_hit"] is True and record["delivered"] == text_of(first)
+    sampled = tagged("cache-3", "Name one kind of bond.", max_tokens=12, temperature=0.9)
+    for rid in ("cache-3", "cache-4"):
+        sampled.request_id = rid
+        assert not run_requests(server.target, [sampled])[rid][0].started.cache_hit
+
+
+def test_every_finish_reason_leaves_a_complete_record(server):
+    reqs = [tagged("fin-stop", "Say hello.", max_tokens=200),
+            tagged("fin-length", "Describe a bond.", max_tokens=5),
+            tagged("fin-cancel", "Write a long story about a bank.", max_tokens=300),
+            tagged("fin-filter", "Can you give me some insider tips on ACME?", max_tokens=20),
+            tagged("fin-redact", 'Repeat exactly: "Card: 4111 1111 1111 1111"', max_tokens=20)]
+    events = run_requests(server.target, reqs, cancel="fin-cancel")
+    expected = {"fin-stop": "STOP", "fin-length": "LENGTH", "fin-cancel": "CANCELLED",
+                "fin-filter": "CONTENT_FILTER", "fin-redact": None}
+    for rid, reason in expected.items():
+        started, final = records_for(server.target, rid)
+        assert started["type"] == "request_started" and final["type"] == "request"
+        assert started["seq"] < final["seq"]
+        assert (final["tenant"], final["app"], final["user"]) == ("bank-a", "mobile", "alice")
+        assert final["messages"] == [{"role": "user", "content": reqs[[r.request_id for r in reqs]
+                                                                      .index(rid)].messages[0].content}]
+        assert final["model"] == "SmolLM2-135M-Instruct" and final["policy_version"]
+        assert final["delivered"] == text_of(events[rid])
+        assert final["usage"]["completion_tokens"] == events[rid][-1].finished.usage.completion_tokens
+        assert final["latency_ms"]["total"] > 0 and final["params"]
+        if reason:
+            assert final["finish_reason"] == reason
+    halted = records_for(server.target, "fin-filter")[1]["interventions"]
+    assert [(i["rule_id"], i["action"], i["scope"]) for i in halted] == \
+        [("insider-request-en", "halt", "input")]
+    assert halted[0]["suppressed"] == "give me some insider tips"
+    redacted = records_for(server.target, "fin-redact")[1]["interventions"]
+    assert {"rule_id": "payment-card-number", "action": "redact", "scope": "input",
+            "suppressed": "4111 1111 1111 1111"}.items() <= redacted[0].items()
+    # The client never saw the suppressed text.
+    assert all(e.policy_event.suppressed == "" for e in events["fin-filter"]
+               if e.WhichOneof("event") == "policy_event")
+
+
+def test_audit_cli_and_service(server):
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args,
+                               "--target", server.target], capture_output=True, text=True,
+                              timeout=60)
+
+    run_requests(server.target, [tagged("cli-audit", "Say hi.", max_tokens=4)])
+    verify = cli("verify")
+    assert verify.returncode == 0 and "intact" in verify.stdout
+    rows = [json.loads(line) for line in cli("query", "--request-id", "cli-audit", "--format",
+                                             "jsonl").stdout.splitlines()]
+    assert [r["type"] for r in rows] == ["request_started", "request"]
+    shown = json.loads(cli("show", str(rows[1]["seq"])).stdout)
+    assert shown == rows[1]
+    exported = [json.loads(line) for line in cli("export", "--since", "1h").stdout.splitlines()]
+    assert rows[1] in exported
+    csv = cli("query", "--user", "alice", "--format", "csv").stdout.splitlines()
+    assert csv[0].startswith("seq,time,type") and len(csv) > 1
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        audit_stub(server.target, lambda s: s.Query(audit_pb2.AuditQuery(page_size=5000)))
+    status = rpc_status.from_call(err.value)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    detail = error_details_pb2.BadRequest()
+    status.details[0].Unpack(detail)
+    assert detail.field_violations[0].field == "page_size"
+    missing = cli("show", "999999999")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    srv = start_server(tmp_path, "--model", str(default_model_dir), "--rules", str(rules),
+                       "--luts", str(tmp_path / "luts"))
+    try:
+        req = tagged("inv-1", "Name one kind of bond.", max_tokens=8)
+        first = run_requests(srv.target, [req])["inv-1"]
+        req.request_id = "inv-2"
+        assert run_requests(srv.target, [req])["inv-2"][0].started.cache_hit
+        (rules / "new.yaml").write_text("rules:\n  - id: x\n    description: d\n    kind: literal\n"
+                                        "    patterns: [zebra]\n    action: block\n")
+        version, n = first[0].started.policy_version, 2
+        while version == first[0].started.policy_version:
+            n += 1
+            req.request_id = f"inv-{n}"
+            after = run_requests(srv.target, [req])[f"inv-{n}"]
+            version = after[0].started.policy_version
+        assert not after[0].started.cache_hit
+    finally:
+        srv.stop()
+
+
+def test_requests_are_refused_when_the_audit_trail_is_down(tmp_path, default_model_dir):
+    srv = start_server(tmp_path, "--model", str(default_model_dir))
+    try:
+        valkey = next(json.loads(line)["pid"] for line in srv.log().splitlines()
+                      if '"embedded valkey started"' in line)
+        os.kill(valkey, signal.SIGKILL)
+        error = run_requests(srv.target, [tagged("down", "Say hi.", max_tokens=4)])["down"][-1]
+        assert error.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "audit trail is unavailable" in error.error.message
+    finally:
+        srv.stop()
+    assert free_port()  # the server stopped cleanly enough to leave the machine usable
