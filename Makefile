@@ -49,6 +49,7 @@ bench: setup
 	$(BIN)/python bench/bench_foundation.py
 	$(BIN)/python bench/bench_rules.py
 	$(BIN)/python bench/bench_enforcement.py
+	$(BIN)/python bench/bench_audit.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -138,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
             for problem in e.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1
-        if isinstance(e, (ModelLoadError, RedisUnavailable, OSError)):
+        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError)):
             print(f"finsieve serve: {e}", file=sys.stderr)
             return 1
         raise

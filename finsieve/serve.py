@@ -131,7 +131,7 @@ def _audit_key(settings: Settings) -> bytes:
     path = Path(settings.audit_key_file) if settings.audit_key_file else settings.state_path / "audit.key"
     if not path.exists():
         if settings.audit_key_file:
-            raise ConfigError(f"--audit-key-file {path}: no such file")
+            raise ConfigError(f"FINSIEVE_AUDIT_KEY_FILE {path}: no such file")
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
