@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import redis.asyncio as redis
-from finsieve.gateway.audit import TIME, AuditLog, Filters, index_key, record_key
 
 from finsieve.client import chat_request, stream_one, wait_ready
+from finsieve.gateway.audit import TIME, AuditLog, Filters, index_key, record_key
 from finsieve.valkey import EmbeddedValkey
 
 REPO = Path(__file__).resolve().parents[1]

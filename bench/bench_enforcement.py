@@ -24,28 +24,19 @@ import time
 from pathlib import Path
 
 import torch
-from finsieve.engine.engine import NO_POLICY, EngineLimits, LLMEngine, _CollectingSink
-from finsieve.engine.loader import load_model
 
 from finsieve.client import chat_request
+from finsieve.engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
+from finsieve.engine.loader import load_model
 from finsieve.policy.guard import Guard, Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import scan_text
 
+from prompts import LONG_ANSWERS
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from test_enforcement import ZERO_LEAK  # noqa: E402  (the same prompts as the test suite)
-
-CLEAN = [
-    "Write a detailed essay about the history of central banking.",
-    "Explain, step by step, how a mortgage is paid off over thirty years.",
-    "Describe the main differences between stocks, bonds and mutual funds.",
-    "Write a long story about a young analyst on her first day at a bank.",
-    "Explain how inflation affects savings, wages and interest rates.",
-    "Describe how a credit card company makes money.",
-    "Write a guide to building an emergency fund.",
-    "Explain what a stock exchange does, in detail.",
-]
 
 
 class PolicyClock:
@@ -81,7 +72,7 @@ def text_of(events) -> str:
 
 def run_batch(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict:
     """Decode prompts together; per-step times, held-back characters, tokens, rollbacks."""
-    sinks = [_CollectingSink() for _ in prompts]
+    sinks = [CollectingSink() for _ in prompts]
     seqs = []
     for i, (p, sink) in enumerate(zip(prompts, sinks, strict=True)):
         seq = engine.prepare(chat_request(f"b{i}", p, max_tokens=max_tokens), sink)
@@ -157,12 +148,12 @@ def main() -> None:
 
     # Throughput and latency, rules off vs on, rounds interleaved.
     runs: dict[tuple[str, int], list[dict]] = {}
-    run_batch(engine, CLEAN[:1], 8)  # warm-up
+    run_batch(engine, LONG_ANSWERS[:1], 8)  # warm-up
     for _ in range(args.rounds):
         for n in (1, 8):
             for name, pol in (("off", NO_POLICY), ("on", policy)):
                 engine.policy = lambda pol=pol: pol
-                runs.setdefault((name, n), []).append(run_batch(engine, CLEAN[:n], args.max_tokens))
+                runs.setdefault((name, n), []).append(run_batch(engine, LONG_ANSWERS[:n], args.max_tokens))
     result["throughput"] = []
     for n in (1, 8):
         row = {"streams": n}

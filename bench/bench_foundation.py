@@ -27,17 +27,9 @@ import torch
 
 from finsieve.client import chat_request, stream_one, wait_ready
 
+from prompts import LONG_ANSWERS
+
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "Write a detailed essay about the history of central banking.",
-    "Explain, step by step, how a mortgage is paid off over thirty years.",
-    "Describe the main differences between stocks, bonds and mutual funds.",
-    "Write a long story about a young analyst on her first day at a bank.",
-    "Explain how inflation affects savings, wages and interest rates.",
-    "Describe how a credit card company makes money.",
-    "Write a guide to building an emergency fund.",
-    "Explain what a stock exchange does, in detail.",
-]
 
 
 def time_setup() -> float:
@@ -52,7 +44,7 @@ def time_setup() -> float:
 
 async def one_stream(target: str, i: int, max_tokens: int) -> dict:
     # Greedy with a stop-free long prompt: most runs use the full max_tokens.
-    request = chat_request(f"b{i}", PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens)
+    request = chat_request(f"b{i}", LONG_ANSWERS[i % len(LONG_ANSWERS)], max_tokens=max_tokens)
     start = time.perf_counter()
     first = None
     tokens = 0

@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from finsieve.engine.tokens import token_byte_table
 from transformers import AutoTokenizer
 
+from finsieve.engine.tokens import token_byte_table
 from finsieve.policy.masks import MaskTables, TokenTable
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.normalize import normalize

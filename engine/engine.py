@@ -316,7 +316,7 @@ class LLMEngine:
 
     def generate(self, request: chat_pb2.ChatRequest) -> list[chat_pb2.ChatServerMessage]:
         """Run one request to completion on the calling thread; returns its events."""
-        sink = _CollectingSink()
+        sink = CollectingSink()
         self.submit(self.prepare(request, sink))
         while not sink.finished:
             self.step()
@@ -366,7 +366,7 @@ def _apply_input_rules(policy: Policy, messages) -> tuple[list[dict[str, str]], 
     return out, events, halted
 
 
-class _CollectingSink:
+class CollectingSink:
     def __init__(self) -> None:
         self.events: list[chat_pb2.ChatServerMessage] = []
 

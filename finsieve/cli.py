@@ -157,15 +157,21 @@ def _model_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rules_check(args: argparse.Namespace) -> int:
+def _load_pack(directory: Path):
+    """The compiled pack, or None after printing every problem (`file:line: id: field: why`)."""
     from finsieve.policy.pack import Pack
     from finsieve.policy.schema import PackError
 
     try:
-        pack = Pack.load(args.directory)
+        return Pack.load(directory)
     except PackError as e:
         for problem in e.problems:
             print(problem, file=sys.stderr)
+        return None
+
+
+def _rules_check(args: argparse.Namespace) -> int:
+    if (pack := _load_pack(args.directory)) is None:
         return 1
     kinds = Counter(r.kind for r in pack.rules)
     print(f"policy version {pack.version}: {len(pack.rules)} rules "
@@ -176,14 +182,8 @@ def _rules_check(args: argparse.Namespace) -> int:
 def _rules_scan(args: argparse.Namespace) -> int:
     """Feed stdin through the streaming matcher in small random chunks, as tokens arrive."""
     from finsieve.policy.matcher import StreamMatcher
-    from finsieve.policy.pack import Pack
-    from finsieve.policy.schema import PackError
 
-    try:
-        pack = Pack.load(args.directory)
-    except PackError as e:
-        for problem in e.problems:
-            print(problem, file=sys.stderr)
+    if (pack := _load_pack(args.directory)) is None:
         return 1
     data = sys.stdin.buffer.read()
     rng = random.Random(args.seed)

@@ -13,6 +13,7 @@ last trimmed record's HMAC, so verification still links across the gap.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -108,11 +109,18 @@ class AuditLog:
         self.redis = client
         self.key = key
         self._append = client.register_script(_APPEND)
+        # Appends of one process queue here instead of racing for the head; only appends
+        # from other gateway processes can make the compare-and-set retry.
+        self._lock = asyncio.Lock()
 
     # -- writing ------------------------------------------------------------------------
 
     async def append(self, kind: str, body: dict[str, Any], attempts: int = 100) -> int:
         """Seal and append one record; returns its sequence number. Raises AuditError."""
+        async with self._lock:
+            return await self._append_unlocked(kind, body, attempts)
+
+    async def _append_unlocked(self, kind: str, body: dict[str, Any], attempts: int) -> int:
         try:
             for _ in range(attempts):
                 seq, prev = await self._head()

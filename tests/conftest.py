@@ -78,6 +78,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
 def engine(default_model_dir: Path):
     """The same model in-process, for non-streamed reference decodes."""
     import torch
+
     from finsieve.engine.engine import EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model
 

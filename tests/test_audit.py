@@ -12,14 +12,15 @@ import sys
 import grpc
 import pytest
 import redis.asyncio as redis
-from conftest import ChatStream, free_port, start_server, text_of
-from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from finsieve.client import chat_request
+from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
+
+from conftest import ChatStream, free_port, start_server, text_of
 
 KEY = b"test-key"
 

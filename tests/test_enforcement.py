@@ -13,14 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ChatStream, kinds, start_server, text_of
-from finsieve.engine.engine import NO_POLICY, LLMEngine
 
 from finsieve.client import chat_request
+from finsieve.engine.engine import NO_POLICY, LLMEngine
 from finsieve.policy.guard import Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import scan_text
 from finsieve.v1 import chat_pb2
+
+from conftest import ChatStream, kinds, start_server, text_of
 
 REPO = Path(__file__).resolve().parents[1]
 OK_FINISH = (chat_pb2.FINISH_REASON_STOP, chat_pb2.FINISH_REASON_LENGTH)
@@ -187,9 +188,9 @@ def test_a_rollback_changes_nothing_for_the_other_sequences(under, default_polic
     engine = under(default_policy)
     alone = text_of(engine.generate(clean))
 
-    from finsieve.engine.engine import _CollectingSink
+    from finsieve.engine.engine import CollectingSink
 
-    sinks = {r.request_id: _CollectingSink() for r in (clean, dirty)}
+    sinks = {r.request_id: CollectingSink() for r in (clean, dirty)}
     for r in (dirty, clean):
         engine.submit(engine.prepare(r, sinks[r.request_id]))
     while not all(s.finished for s in sinks.values()):

@@ -11,10 +11,11 @@ import time
 
 import grpc
 import pytest
-from conftest import ChatStream, free_port, kinds, pids_named, start_server, text_of, wait_gone
 
 from finsieve.client import chat_request
 from finsieve.v1 import chat_pb2
+
+from conftest import ChatStream, free_port, kinds, pids_named, start_server, text_of, wait_gone
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]

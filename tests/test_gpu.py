@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ChatStream, kinds, start_server, text_of
 
 from finsieve.client import chat_request
+
+from conftest import ChatStream, kinds, start_server, text_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,8 +28,9 @@ def random_llama(tmp_path_factory) -> Path:
     # where the converted default model is not at hand (the GPU machine).
     tok_dir = os.environ.get("FINSIEVE_TEST_TOKENIZER")
     if tok_dir is None:
-        from conftest import MODEL_STATE
         from finsieve.engine.loader import default_model_dir
+
+        from conftest import MODEL_STATE
 
         tok_dir = str(default_model_dir(MODEL_STATE))
     path = tmp_path_factory.mktemp("llama")
@@ -45,8 +47,9 @@ def random_llama(tmp_path_factory) -> Path:
 
 
 def test_compact_forward_matches_transformers_on_cuda(random_llama):
-    from finsieve.engine.model import CompactLM
     from transformers import AutoModelForCausalLM
+
+    from finsieve.engine.model import CompactLM
 
     hf = AutoModelForCausalLM.from_pretrained(random_llama, dtype=torch.float32).cuda().eval()
     runner = CompactLM(hf, n_slots=2, max_len=256)

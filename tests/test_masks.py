@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from finsieve.engine.tokens import token_byte_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from finsieve.engine.tokens import token_byte_table
 from finsieve.policy.masks import MaskTables, TokenTable
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.pack import RuleSet

@@ -6,15 +6,16 @@ import asyncio
 
 import pytest
 import torch
-from conftest import text_of
-from finsieve.engine.engine import EngineLimits, LLMEngine
-from finsieve.engine.hf_runner import HFRunner
-from finsieve.engine.loader import LoadedModel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from finsieve.client import chat_request
+from finsieve.engine.engine import EngineLimits, LLMEngine
+from finsieve.engine.hf_runner import HFRunner
+from finsieve.engine.loader import LoadedModel
+
+from conftest import text_of
 
 
 def _hf_greedy(hf_model, tokenizer, question: str, n: int) -> str:

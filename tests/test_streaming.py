@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import ChatStream, kinds, text_of
-
 from finsieve.client import chat_request
 from finsieve.v1 import chat_pb2
+
+from conftest import ChatStream, kinds, text_of
 
 
 def run(coro):

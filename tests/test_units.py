@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from finsieve.engine.tokens import IncrementalText, find_stop, stop_holdback
 
 from finsieve.config import ConfigError, Settings
+from finsieve.engine.tokens import IncrementalText, find_stop, stop_holdback
 
 
 def test_incremental_text_keeps_half_characters_pending():
