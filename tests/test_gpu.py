@@ -81,3 +81,18 @@ def test_server_streams_on_cuda(tmp_path, random_llama):
         assert events[-1].finished.usage.completion_tokens > 0
         assert isinstance(text_of(events), str)
     assert '"device": "cuda' in srv.log()
+
+
+def test_rollback_by_truncation_reproduces_logits_on_cuda(random_llama):
+    from transformers import AutoModelForCausalLM
+
+    from finsieve.engine.model import CompactLM
+
+    hf = AutoModelForCausalLM.from_pretrained(random_llama, dtype=torch.bfloat16).cuda().eval()
+    runner = CompactLM(hf, n_slots=2, max_len=256)
+    slot = runner.cache.allocate()
+    runner.prefill(list(range(100, 130)), slot)
+    first = runner.decode([11], [slot])
+    runner.decode([12], [slot])
+    runner.cache.truncate(slot, runner.cache.lengths[slot] - 2)  # SAR: two tokens back
+    torch.testing.assert_close(runner.decode([11], [slot]), first, atol=0, rtol=0)
