@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -284,8 +285,23 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
             after = run_requests(srv.target, [req])[f"inv-{n}"]
             version = after[0].started.policy_version
         assert not after[0].started.cache_hit
+        (rules / "bad.yaml").write_text("rules: [\n")
+        admin = []
+        for _ in range(100):  # the gateway polls the engine once a second
+            page = audit_stub(srv.target, lambda s: s.Query(audit_pb2.AuditQuery(page_size=1000)))
+            admin = [json.loads(r.json) for r in page.records]
+            admin = [r for r in admin if r["type"] == "admin"]
+            if any(r["event"] == "rule_pack_rejected" for r in admin):
+                break
+            time.sleep(0.1)
     finally:
         srv.stop()
+    events = [r["event"] for r in admin]
+    assert events[0] == "server_start"
+    loaded = next(r for r in admin if r["event"] == "rule_pack_loaded")
+    assert loaded["policy_version"] == version
+    rejected = next(r for r in admin if r["event"] == "rule_pack_rejected")
+    assert "bad.yaml:2: -: yaml: not valid YAML" in rejected["reason"]
 
 
 def test_requests_are_refused_when_the_audit_trail_is_down(tmp_path, default_model_dir):
@@ -300,3 +316,23 @@ def test_requests_are_refused_when_the_audit_trail_is_down(tmp_path, default_mod
     finally:
         srv.stop()
     assert free_port()  # the server stopped cleanly enough to leave the machine usable
+
+
+def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tmp_path, default_model_dir):
+    srv = start_server(tmp_path, "--model", str(default_model_dir),
+                       env={"FINSIEVE_AUDIT_FAIL_OPEN": "true"})
+    try:
+        valkey = next(json.loads(line)["pid"] for line in srv.log().splitlines()
+                      if '"embedded valkey started"' in line)
+        os.kill(valkey, signal.SIGKILL)
+        req = tagged("open-1", "Name one kind of bond.", max_tokens=8)
+        first = run_requests(srv.target, [req])["open-1"]
+        req.request_id = "open-2"
+        second = run_requests(srv.target, [req])["open-2"]
+    finally:
+        srv.stop()
+    for events in (first, second):
+        assert events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_LENGTH
+        assert not events[0].started.cache_hit
+    assert text_of(first) == text_of(second) != ""
+    assert "cache lookup failed; serving uncached" in srv.log()
