@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 import torch
+from prometheus_client import Counter, Histogram
 
 from finsieve.errors import RequestError, invalid
 from finsieve.policy.guard import Decision, Guard, Intervention, Policy, Verdict
@@ -37,6 +38,12 @@ from .sequence import Sampling, Sequence, Sink, Status
 from .tokens import token_byte_table
 
 log = structlog.get_logger(__name__)
+
+STEP_SECONDS = Histogram("finsieve_decode_step_seconds",
+                         "One decode step for the whole batch (the inter-token latency)",
+                         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
+TOKENS = Counter("finsieve_generated_tokens", "Tokens generated (accepted by the rules)")
+ROLLBACKS = Counter("finsieve_rollbacks", "Sequences rolled back (SAR)")
 
 NO_POLICY = Policy(Pack([]), None, "none")
 MAX_RESAMPLES = 32  # per position; then the sequence halts
@@ -203,9 +210,10 @@ class LLMEngine:
 
     def _decode(self, events: Events) -> None:
         batch = list(self.running)
-        logits = self.runner.decode([s.last_token for s in batch], [s.slot for s in batch])
-        for row, seq in enumerate(batch):
-            self._advance(seq, logits[row], events)
+        with STEP_SECONDS.time():
+            logits = self.runner.decode([s.last_token for s in batch], [s.slot for s in batch])
+            for row, seq in enumerate(batch):
+                self._advance(seq, logits[row], events)
 
     # -- one sequence, one step ---------------------------------------------------------
 
@@ -239,6 +247,7 @@ class LLMEngine:
             self._roll_back(seq, decision, events)
             return
         seq.append(token, eos)
+        TOKENS.inc()
         if not seq.done and seq.context_len >= self.max_context:
             seq.finish_reason = chat_pb2.FINISH_REASON_LENGTH
         if seq.done and not eos:
@@ -258,6 +267,7 @@ class LLMEngine:
     def _roll_back(self, seq: Sequence, decision: Decision, events: Events) -> None:
         """SAR: set this sequence's KV length back to the span's start and decode again."""
         intervention = seq.guard.rollback(decision)
+        ROLLBACKS.inc()
         seq.truncate(decision.keep)
         self.runner.cache.truncate(seq.slot, seq.context_len - 1)
         if decision.verdict is Verdict.REWRITE:

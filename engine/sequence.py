@@ -6,10 +6,15 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prometheus_client import Counter
+
 from finsieve.policy.guard import Guard, Intervention
 from finsieve.v1 import chat_pb2
 
 from .tokens import IncrementalText, find_stop, stop_holdback
+
+# Counted where every intervention becomes an event.
+INTERVENTIONS = Counter("finsieve_interventions", "Policy interventions", ["rule_id", "action"])
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class Sequence:
         )
 
     def policy_event(self, i: Intervention, scope: str = "output") -> chat_pb2.ChatServerMessage:
+        INTERVENTIONS.labels(i.rule_id, i.action).inc()
         return chat_pb2.ChatServerMessage(
             request_id=self.request_id,
             policy_event=chat_pb2.PolicyEvent(

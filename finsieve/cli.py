@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
     s.add_argument("--max-batch", type=int)
     s.add_argument("--max-context", type=int)
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0 = off)")
     s.set_defaults(run=_serve)
 
     m = sub.add_parser("model", help="manage the embedded default model")

@@ -56,6 +56,7 @@ class Settings:
     default_max_tokens: int = _setting(256, "max_tokens when a request leaves it unset")
     max_input_bytes: int = _setting(262144, "largest total size of a request's messages")
     drain_seconds: float = _setting(20.0, "on SIGTERM, how long in-flight requests may finish")
+    metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0 = off)")
     log_format: Literal["auto", "json", "console"] = _setting(
         "auto", "log rendering: auto = console on a terminal, JSON otherwise"
     )

@@ -11,6 +11,7 @@ import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import prometheus_client
 import redis.asyncio as redis
 import structlog
 
@@ -33,6 +34,9 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if settings.metrics_port:
+        prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
+        log.info("metrics serving", address=f"{settings.host}:{settings.metrics_port}")
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
         client = None

@@ -23,12 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as redis
+from prometheus_client import Histogram
 
 TAG = "{finsieve-audit}"
 HEAD = f"{TAG}:head"
 TIME = f"{TAG}:time"
 CHECKPOINT = f"{TAG}:checkpoint"
 INDEXED = ("tenant", "user", "rule_id", "action", "finish_reason", "request_id")
+
+APPEND_SECONDS = Histogram("finsieve_audit_append_seconds", "Audit record appends",
+                           buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5))
 
 _APPEND = """
 local head = redis.call('HMGET', KEYS[1], 'seq', 'hmac')
@@ -118,7 +122,8 @@ class AuditLog:
     async def append(self, kind: str, body: dict[str, Any], attempts: int = 100) -> int:
         """Seal and append one record; returns its sequence number. Raises AuditError."""
         async with self._lock:
-            return await self._append_unlocked(kind, body, attempts)
+            with APPEND_SECONDS.time():
+                return await self._append_unlocked(kind, body, attempts)
 
     async def _append_unlocked(self, kind: str, body: dict[str, Any], attempts: int) -> int:
         try:

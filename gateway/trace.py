@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
+from prometheus_client import Histogram
 
 from finsieve.v1 import chat_pb2
 
 IDENTITY = ("tenant", "app", "user")  # metadata keys that identify the caller
+TTFT = Histogram("finsieve_time_to_first_token_seconds", "Request received to first text delivered",
+                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Trace:
         elif kind == "delta":
             if self.first_delta is None and event.delta.text:
                 self.first_delta = time.monotonic()
+                TTFT.observe(self.first_delta - self.started)
             self.delivered.append(event.delta.text)
         elif kind == "policy_event":
             self.interventions.append(

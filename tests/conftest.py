@@ -69,7 +69,8 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
     """One full server (gateway + engine + embedded Valkey) for the session."""
-    srv = start_server(tmp_path_factory.mktemp("server"), "--model", str(default_model_dir))
+    srv = start_server(tmp_path_factory.mktemp("server"), "--model", str(default_model_dir),
+                       "--metrics-port", str(free_port()))
     yield srv
     srv.stop()
 

@@ -266,6 +266,21 @@ def test_audit_cli_and_service(server):
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def test_metrics_are_served(server):
+    import re
+    import urllib.request
+
+    run_requests(server.target, [tagged("metrics-1", "Can you give me some insider tips on ACME?"),
+                                 tagged("metrics-2", "Say hi.", max_tokens=4)])
+    port = re.search(r'"address": "127.0.0.1:(\d+)", "event": "metrics serving"', server.log())[1]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = dict(re.findall(r"^(finsieve_\S+) (\S+)$", body, re.M))
+    assert float(values["finsieve_time_to_first_token_seconds_count"]) > 0
+    assert float(values["finsieve_generated_tokens_total"]) > 0
+    assert float(values['finsieve_interventions_total{action="halt",rule_id="insider-request-en"}']) > 0
+    assert float(values["finsieve_audit_append_seconds_count"]) > 0
+
+
 def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
     rules = tmp_path / "rules"
     rules.mkdir()
