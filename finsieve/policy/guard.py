@@ -108,7 +108,7 @@ class Guard:
 
     def masked(self, token: int) -> Intervention | None:
         """If `token` (the model's first choice) was masked: the rule it would have broken."""
-        found = self.matcher.feed(self.token_bytes[token])
+        found = self.matcher.feed(self._bytes(token))
         self.matcher.rollback(len(self.tokens))
         m = next((m for m in found if m.rule.action == "block"), None)
         if m is None:
@@ -121,7 +121,7 @@ class Guard:
     def check(self, token: int) -> Decision:
         """Feed a sampled token; decide what happens to it."""
         before = self.matcher.norm.raw_len
-        found = self.matcher.feed(self.token_bytes[token] if token < len(self.token_bytes) else b"")
+        found = self.matcher.feed(self._bytes(token))
         self.tokens.append(token)
         decision = self._decide(found, before, resample_ok=True)
         if decision.verdict is Verdict.RESAMPLE:
@@ -137,8 +137,12 @@ class Guard:
     def force(self, tokens: list[int]) -> None:
         """Tokens put into the context by a rewrite: they are part of the answer."""
         for t in tokens:
-            self.matcher.feed(self.token_bytes[t])
+            self.matcher.feed(self._bytes(t))
             self.tokens.append(t)
+
+    def _bytes(self, token: int) -> bytes:
+        # Models often pad their logits past the tokenizer's vocabulary: no text there.
+        return self.token_bytes[token] if token < len(self.token_bytes) else b""
 
     def _decide(self, found: list[Match], before: int, resample_ok: bool) -> Decision:
         acting = [m for m in found if m.rule.action != "redact"]
@@ -151,7 +155,7 @@ class Guard:
             return Decision(Verdict.RESAMPLE, match=m)
         if self.rollbacks >= self.max_rollbacks:
             return Decision(Verdict.HALT, match=m)
-        keep = self._boundary_before(m.start)
+        keep = self.matcher.clean_boundary_before(m.start)
         if m.rule.action == "rewrite":
             prefix = bytes(self.matcher.raw[self.matcher.checkpoint_raw(keep) : m.start])
             return Decision(Verdict.REWRITE, keep, prefix.decode("utf-8", "replace")
@@ -224,10 +228,7 @@ class Guard:
 
     def _at_most(self, offset: int) -> int:
         """The last clean token boundary (no split character) at or before offset."""
-        return self.matcher.checkpoint_raw(self._boundary_before(offset))
-
-    def _boundary_before(self, offset: int) -> int:
-        return self.matcher.clean_boundary_before(offset)
+        return self.matcher.checkpoint_raw(self.matcher.clean_boundary_before(offset))
 
     def _undo_last(self) -> None:
         self.matcher.rollback(len(self.tokens) - 1)

@@ -6,7 +6,6 @@ import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass
-from functools import cached_property
 from pathlib import Path
 
 import ahocorasick
@@ -94,13 +93,6 @@ class RuleSet:
                        for p in r.patterns})
 
 
-@dataclass(frozen=True)
-class PackInfo:
-    version: str
-    rules: int
-    source: str
-
-
 class Pack:
     """An immutable compiled pack. Holders of an old pack keep it across a reload."""
 
@@ -115,10 +107,6 @@ class Pack:
     def load(cls, directory: Path) -> Pack:
         """Load and compile; raises schema.PackError listing every problem."""
         return cls(load_rules(directory), str(directory))
-
-    @cached_property
-    def info(self) -> PackInfo:
-        return PackInfo(self.version, len(self.rules), self.source)
 
     def rule(self, rule_id: str) -> Rule | None:
         return next((r for r in self.rules if r.id == rule_id), None)
