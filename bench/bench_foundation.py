@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import signal
 import socket
@@ -106,7 +107,9 @@ def main() -> None:
         cmd = [sys.executable, "-m", "finsieve.cli", "serve", "--port", str(port),
                "--state-dir", tmp, "--model", str(model)]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Cache off: the levels repeat greedy prompts, and this measures decoding.
+        env = {**os.environ, "FINSIEVE_CACHE_TTL_S": "0"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             target = f"127.0.0.1:{port}"
             if not asyncio.run(wait_ready(target, 180)):
