@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -119,15 +121,16 @@ class AuditLog:
 
     # -- writing ------------------------------------------------------------------------
 
-    async def append(self, kind: str, body: dict[str, Any], attempts: int = 100) -> int:
+    async def append(self, kind: str, body: dict[str, Any], deadline_s: float = 10.0) -> int:
         """Seal and append one record; returns its sequence number. Raises AuditError."""
         async with self._lock:
             with APPEND_SECONDS.time():
-                return await self._append_unlocked(kind, body, attempts)
+                return await self._append_unlocked(kind, body, deadline_s)
 
-    async def _append_unlocked(self, kind: str, body: dict[str, Any], attempts: int) -> int:
+    async def _append_unlocked(self, kind: str, body: dict[str, Any], deadline_s: float) -> int:
+        deadline = time.monotonic() + deadline_s
         try:
-            for _ in range(attempts):
+            for attempt in itertools.count():
                 seq, prev = await self._head()
                 now = int(time.time() * 1000)
                 record = {"seq": seq + 1, "prev": prev, "type": kind, "ts_ms": now, **body}
@@ -137,6 +140,10 @@ class AuditLog:
                 args = [prev, seq + 1, json.dumps(record, ensure_ascii=False), record["hmac"], now]
                 if await self._append(keys=keys, args=args):
                     return seq + 1
+                if time.monotonic() > deadline:
+                    break
+                # Another gateway appended first: back off with jitter, so none starves.
+                await asyncio.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
         except (redis.RedisError, OSError) as e:
             raise AuditError(f"audit append failed: {type(e).__name__}: {e}") from None
         raise AuditError("audit append failed: the chain head kept moving (contention)")
