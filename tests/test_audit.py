@@ -351,3 +351,37 @@ def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tmp_path, defau
         assert not events[0].started.cache_hit
     assert text_of(first) == text_of(second) != ""
     assert "cache lookup failed; serving uncached" in srv.log()
+
+
+def test_failed_requests_are_audited_and_verify_exits_1_at_a_broken_record(tmp_path):
+    dead = f"127.0.0.1:{free_port()}"
+    srv = start_server(tmp_path, "--role", "gateway", "--engine", dead)
+    try:
+        events = run_requests(srv.target, [tagged("err-1", "Hello?", max_tokens=4)])["err-1"]
+        assert events[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        _, final = records_for(srv.target, "err-1")
+        assert final["finish_reason"] == "ERROR" and dead in final["error"]["message"]
+        assert final["error"]["code"] == grpc.StatusCode.UNAVAILABLE.value[0]
+
+        def verify() -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", "verify",
+                                   "--target", srv.target], capture_output=True, text=True,
+                                  timeout=60)
+
+        assert verify().returncode == 0
+        port = next(json.loads(line)["port"] for line in srv.log().splitlines()
+                    if '"embedded valkey started"' in line)
+
+        async def tamper():
+            client = redis.Redis(port=port)
+            rec = json.loads(await client.get(record_key(final["seq"])))
+            rec["delivered"] = "something else"
+            await client.set(record_key(final["seq"]), json.dumps(rec))
+            await client.aclose()
+
+        asyncio.run(tamper())
+        broken = verify()
+        assert broken.returncode == 1
+        assert f"BROKEN at record {final['seq']}" in broken.stdout and "altered" in broken.stdout
+    finally:
+        srv.stop()
