@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STATE ?= .finsieve
 PORT ?= 50051
-QUESTION ?= In two sentences: what is a bond, and why do its prices fall when rates rise?
+QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
 
 .PHONY: setup run test test-slow test-gpu bench lint proto clean
 
