@@ -21,6 +21,7 @@ from finsieve.v1 import chat_pb2, chat_pb2_grpc
 from .audit import AuditError, AuditLog
 from .cache import ResponseCache, cache_key
 from .engines import TERMINAL, EngineClient, EnginePool
+from .outbox import Outbox
 from .trace import Trace
 from .validation import Limits, validate
 
@@ -37,13 +38,13 @@ class _InFlight:
 class _Stream:
     """One client's Chat stream: its outbox and its requests in flight by client id."""
 
-    out: asyncio.Queue[chat_pb2.ChatServerMessage | None] = field(default_factory=asyncio.Queue)
+    out: Outbox = field(default_factory=Outbox)
     in_flight: dict[str, _InFlight] = field(default_factory=dict)
     reading_done: bool = False
 
     def close_if_idle(self, draining: bool) -> None:
         if (self.reading_done or draining) and not self.in_flight:
-            self.out.put_nowait(None)
+            self.out.put(None)
 
 
 class GatewayService(chat_pb2_grpc.GatewayServicer):
@@ -67,8 +68,11 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
-            while (msg := await stream.out.get()) is not None:
-                yield msg
+            while True:
+                for msg in await stream.out.take():
+                    if msg is None:
+                        return
+                    yield msg
         finally:
             reader.cancel()
             self._streams.discard(stream)
@@ -103,7 +107,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             if client_id in stream.in_flight:
                 raise invalid("request_id", "a request with this id is already in flight on this stream")
         except RequestError as e:
-            stream.out.put_nowait(e.to_event(client_id))
+            stream.out.put(e.to_event(client_id))
             return
         flight = _InFlight(self.engines.new_id())
         stream.in_flight[client_id] = flight
@@ -116,7 +120,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             if event.HasField("policy_event"):
                 event.policy_event.suppressed = ""  # for the audit trail, never for the client
             trace.events.append(event)
-            stream.out.put_nowait(event)
+            stream.out.put(event)
             if event.WhichOneof("event") in TERMINAL:
                 stream.in_flight.pop(client_id, None)
                 _log_outcome(event, trace.started)

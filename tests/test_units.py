@@ -51,3 +51,24 @@ def test_settings_from_environment_and_flags():
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         Settings.load(env=env)
+
+
+def test_waiting_deltas_of_a_request_go_out_as_one_and_order_is_kept():
+    from finsieve.gateway.outbox import coalesce
+    from finsieve.v1 import chat_pb2
+
+    def delta(rid: str, text: str) -> chat_pb2.ChatServerMessage:
+        return chat_pb2.ChatServerMessage(request_id=rid, delta=chat_pb2.Delta(text=text, tokens=1))
+
+    def finished(rid: str) -> chat_pb2.ChatServerMessage:
+        return chat_pb2.ChatServerMessage(request_id=rid, finished=chat_pb2.Finished())
+
+    held = delta("a", "x")
+    events = [held, delta("a", "y"), delta("b", "1"), delta("a", "z"), finished("a"),
+              delta("a", "late"), delta("b", "2"), None]
+    out = coalesce(events)
+    summary = [(e.request_id, e.WhichOneof("event"), e.delta.text, e.delta.tokens) if e else None
+               for e in out]
+    assert summary == [("a", "delta", "xyz", 3), ("b", "delta", "12", 2), ("a", "finished", "", 0),
+                       ("a", "delta", "late", 1), None]
+    assert held.delta.text == "x"  # the original is untouched (the cache keeps it)
