@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--engine-port", type=int)
+    s.add_argument("--audit-host")
+    s.add_argument("--audit-port", type=int, help="the officers' AuditService (loopback by default)")
     s.add_argument("--engine", dest="engines", action="append", metavar="ADDR",
                    help="engine host:port (role gateway; repeat for several)")
     s.add_argument("--model", metavar="PATH", help="Hugging Face model directory")
@@ -83,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def audit_parser(name: str, help: str, run, filters: bool = True) -> argparse.ArgumentParser:
         p = a_sub.add_parser(name, help=help)
-        p.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
+        p.add_argument("--target", default="127.0.0.1:50053", metavar="HOST:PORT",
+                       help="the gateway's AuditService (FINSIEVE_AUDIT_PORT)")
         if filters:
             p.add_argument("--since", type=_when, default=0,
                            help="1h, 30m, 7d ago; an ISO time; or Unix milliseconds")

@@ -25,6 +25,8 @@ class Settings:
     role: Role = _setting("all", "what this process serves: engine, gateway, or both")
     host: str = _setting("127.0.0.1", "address the public gateway listens on")
     port: int = _setting(50051, "port of the public gateway (role all|gateway)")
+    audit_host: str = _setting("127.0.0.1", "address the officers' AuditService listens on")
+    audit_port: int = _setting(50053, "port of the officers' AuditService (role all|gateway)")
     engine_port: int = _setting(50052, "port of the engine service (role engine; 0 = free port)")
     engines: tuple[str, ...] = _setting(
         (), "engine addresses host:port the gateway forwards to (role gateway)"

@@ -156,16 +156,18 @@ async def _start_gateway(
         if settings.cache_ttl_s > 0 else None
     gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
                              audit, cache, settings.audit_fail_open)
-    services = [
-        Service(chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
-                chat_pb2_grpc.add_GatewayServicer_to_server),
-        Service(audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
-                AuditService(audit), audit_pb2_grpc.add_AuditServiceServicer_to_server),
-    ]
-    running = await start_server(f"{settings.host}:{settings.port}", services)
+    running = await start_server(f"{settings.host}:{settings.port}", [Service(
+        chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
+        chat_pb2_grpc.add_GatewayServicer_to_server)])
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)
     log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines)
+    # Records hold every user's messages: officers get their own listener, loopback by default.
+    officers = await start_server(f"{settings.audit_host}:{settings.audit_port}", [Service(
+        audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name, AuditService(audit),
+        audit_pb2_grpc.add_AuditServiceServicer_to_server)])
+    stack.push_async_callback(officers.server.stop, 1)
+    log.info("audit service serving", address=f"{settings.audit_host}:{officers.port}")
     return gateway, running
 
 

@@ -32,6 +32,7 @@ def free_port() -> int:
 class Server:
     process: subprocess.Popen[bytes]
     target: str
+    audit_target: str
     log_path: Path
 
     def log(self) -> str:
@@ -45,14 +46,14 @@ class Server:
 
 def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
                  ready: bool = True) -> Server:
-    port = free_port()
+    port, audit_port = free_port(), free_port()
     log_path = tmp / f"serve-{port}.log"
     cmd = [sys.executable, "-m", "finsieve.cli", "serve", "--port", str(port),
-           "--state-dir", str(tmp / "state"), *args]
+           "--audit-port", str(audit_port), "--state-dir", str(tmp / "state"), *args]
     full_env = {**os.environ, "FINSIEVE_LOG_FORMAT": "json", **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = Server(proc, f"127.0.0.1:{port}", log_path)
+    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path)
     if ready and not asyncio.run(wait_ready(server.target, 120)):
         server.stop(signal.SIGKILL)
         raise RuntimeError(f"server did not come up:\n{server.log()}")

@@ -194,7 +194,7 @@ def test_a_deterministic_answer_is_replayed_from_the_cache(server):
     assert not first[0].started.cache_hit and second[0].started.cache_hit
     assert text_of(second) == text_of(first) != ""
     assert second[-1].finished == first[-1].finished
-    (record,) = records_for(server.target, "cache-2")
+    (record,) = records_for(server.audit_target, "cache-2")
     assert record["cache_hit"] is True and record["delivered"] == text_of(first)
     sampled = tagged("cache-3", "Name one kind of bond.", max_tokens=12, temperature=0.9)
     for rid in ("cache-3", "cache-4"):
@@ -212,7 +212,7 @@ def test_every_finish_reason_leaves_a_complete_record(server):
     expected = {"fin-stop": "STOP", "fin-length": "LENGTH", "fin-cancel": "CANCELLED",
                 "fin-filter": "CONTENT_FILTER", "fin-redact": None}
     for rid, reason in expected.items():
-        started, final = records_for(server.target, rid)
+        started, final = records_for(server.audit_target, rid)
         assert started["type"] == "request_started" and final["type"] == "request"
         assert started["seq"] < final["seq"]
         assert (final["tenant"], final["app"], final["user"]) == ("bank-a", "mobile", "alice")
@@ -224,11 +224,11 @@ def test_every_finish_reason_leaves_a_complete_record(server):
         assert final["latency_ms"]["total"] > 0 and final["params"]
         if reason:
             assert final["finish_reason"] == reason
-    halted = records_for(server.target, "fin-filter")[1]["interventions"]
+    halted = records_for(server.audit_target, "fin-filter")[1]["interventions"]
     assert [(i["rule_id"], i["action"], i["scope"]) for i in halted] == \
         [("insider-request-en", "halt", "input")]
     assert halted[0]["suppressed"] == "give me some insider tips"
-    redacted = records_for(server.target, "fin-redact")[1]["interventions"]
+    redacted = records_for(server.audit_target, "fin-redact")[1]["interventions"]
     assert {"rule_id": "payment-card-number", "action": "redact", "scope": "input",
             "suppressed": "4111 1111 1111 1111"}.items() <= redacted[0].items()
     # The client never saw the suppressed text.
@@ -239,7 +239,7 @@ def test_every_finish_reason_leaves_a_complete_record(server):
 def test_audit_cli_and_service(server):
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args,
-                               "--target", server.target], capture_output=True, text=True,
+                               "--target", server.audit_target], capture_output=True, text=True,
                               timeout=60)
 
     run_requests(server.target, [tagged("cli-audit", "Say hi.", max_tokens=4)])
@@ -256,12 +256,15 @@ def test_audit_cli_and_service(server):
     assert csv[0].startswith("seq,time,type") and len(csv) > 1
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        audit_stub(server.target, lambda s: s.Query(audit_pb2.AuditQuery(page_size=5000)))
+        audit_stub(server.audit_target, lambda s: s.Query(audit_pb2.AuditQuery(page_size=5000)))
     status = rpc_status.from_call(err.value)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     detail = error_details_pb2.BadRequest()
     status.details[0].Unpack(detail)
     assert detail.field_violations[0].field == "page_size"
+    with pytest.raises(grpc.aio.AioRpcError) as public:  # never on the apps' port
+        audit_stub(server.target, lambda s: s.Query(audit_pb2.AuditQuery()))
+    assert public.value.code() == grpc.StatusCode.UNIMPLEMENTED
     missing = cli("show", "999999999")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
 
@@ -303,7 +306,7 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
         (rules / "bad.yaml").write_text("rules: [\n")
         admin = []
         for _ in range(100):  # the gateway polls the engine once a second
-            page = audit_stub(srv.target, lambda s: s.Query(audit_pb2.AuditQuery(page_size=1000)))
+            page = audit_stub(srv.audit_target, lambda s: s.Query(audit_pb2.AuditQuery(page_size=1000)))
             admin = [json.loads(r.json) for r in page.records]
             admin = [r for r in admin if r["type"] == "admin"]
             if any(r["event"] == "rule_pack_rejected" for r in admin):
@@ -359,13 +362,13 @@ def test_failed_requests_are_audited_and_verify_exits_1_at_a_broken_record(tmp_p
     try:
         events = run_requests(srv.target, [tagged("err-1", "Hello?", max_tokens=4)])["err-1"]
         assert events[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
-        _, final = records_for(srv.target, "err-1")
+        _, final = records_for(srv.audit_target, "err-1")
         assert final["finish_reason"] == "ERROR" and dead in final["error"]["message"]
         assert final["error"]["code"] == grpc.StatusCode.UNAVAILABLE.value[0]
 
         def verify() -> subprocess.CompletedProcess[str]:
             return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", "verify",
-                                   "--target", srv.target], capture_output=True, text=True,
+                                   "--target", srv.audit_target], capture_output=True, text=True,
                                   timeout=60)
 
         assert verify().returncode == 0
