@@ -173,3 +173,46 @@ def test_chat_cli_reports_an_unreachable_gateway(tmp_path):
     assert out.returncode == 1
     assert "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
     assert time.monotonic() - start < 30
+
+
+def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_dir):
+    """The README's split deployment: a gateway in front of a dead and a live engine."""
+    engine_port = free_port()
+    for part in ("e", "g"):
+        (tmp_path / part).mkdir()
+    engine = start_server(tmp_path / "e", "--role", "engine", "--engine-port", str(engine_port),
+                          "--model", str(default_model_dir), ready=False)
+    try:
+        import grpc as g
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        async def engine_up() -> bool:
+            async with g.aio.insecure_channel(f"127.0.0.1:{engine_port}") as ch:
+                for _ in range(600):
+                    try:
+                        r = await health_pb2_grpc.HealthStub(ch).Check(
+                            health_pb2.HealthCheckRequest(), timeout=1)
+                        if r.status == health_pb2.HealthCheckResponse.SERVING:
+                            return True
+                    except g.aio.AioRpcError:
+                        await asyncio.sleep(0.2)
+            return False
+
+        assert asyncio.run(engine_up()), engine.log()
+        gateway = start_server(tmp_path / "g", "--role", "gateway",
+                               "--engine", f"127.0.0.1:{free_port()}",
+                               "--engine", f"127.0.0.1:{engine_port}")
+        try:
+            async def go():
+                async with ChatStream(gateway.target) as s:
+                    for i in range(3):
+                        s.send(chat_request(f"x{i}", "Say hello.", max_tokens=4))
+                    return await s.until_done("x0", "x1", "x2")
+
+            for events in asyncio.run(go()).values():
+                assert kinds(events)[-1] == "finished" and text_of(events)
+            assert "engine serving" not in gateway.log()  # the gateway process loads no model
+        finally:
+            assert gateway.stop() == 0
+    finally:
+        assert engine.stop() == 0

@@ -109,3 +109,47 @@ def test_health_and_reflection_are_served(server):
     health, services = asyncio.run(go())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert {"finsieve.v1.Gateway", "grpc.health.v1.Health"} <= services
+
+
+def test_a_qwen2_directory_runs_on_the_compact_forward(tmp_path, engine):
+    """Qwen2 differs from Llama by its q/k/v biases; greedy tokens must match transformers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from finsieve.engine.loader import load_model
+    from finsieve.engine.model import CompactLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=len(engine.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=2, bos_token_id=1,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # random biases, so a forward that ignored them would differ
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    engine.tokenizer.save_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    loaded = load_model(str(tmp_path), tmp_path, cpu)
+    eng = LLMEngine(loaded, EngineLimits(max_batch=2, max_context=128, default_max_tokens=8), cpu)
+    assert isinstance(eng.runner, CompactLM)
+    events = eng.generate(chat_request("q", "Hello there", max_tokens=12))
+    assert text_of(events) == _hf_greedy(loaded.hf_model, loaded.tokenizer, "Hello there", 12)
+
+
+def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_token():
+    from finsieve.engine.sampler import make_generator, sample
+    from finsieve.engine.sequence import Sampling
+
+    torch.manual_seed(3)
+    logits = torch.randn(500)
+    best = int(torch.argmax(logits))
+    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
+        s = Sampling(max_tokens=1, temperature=1.5, top_p=top_p, top_k=top_k, seed=5, stop=())
+        gen = make_generator(s, torch.device("cpu"))
+        assert {sample(logits, s, gen) for _ in range(50)} == {best}
+    s = Sampling(max_tokens=1, temperature=1.5, top_p=1.0, top_k=5, seed=5, stop=())
+    gen = make_generator(s, torch.device("cpu"))
+    drawn = {sample(logits, s, gen) for _ in range(300)}
+    assert drawn <= set(torch.topk(logits, 5).indices.tolist()) and len(drawn) > 1
