@@ -126,7 +126,7 @@ class LLMEngine:
             stop=tuple(s for s in p.stop if s),
         )
         guard = Guard(policy, self.token_bytes, self.max_rollbacks)
-        seq = Sequence(request.request_id, sink, ids, sampling, guard, self.token_bytes,
+        seq = Sequence(request.request_id, sink, ids, sampling, guard,
                        input_events=input_events, halted_by_input=halted)
         seq.rng = make_generator(sampling, self.device)
         return seq

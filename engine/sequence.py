@@ -52,7 +52,6 @@ class Sequence:
     prompt_ids: list[int]
     sampling: Sampling
     guard: Guard  # the output policy this request runs under, to the end
-    token_bytes: list[bytes]
     input_events: list[Intervention] = field(default_factory=list)
     halted_by_input: bool = False
     status: Status = Status.WAITING
@@ -64,7 +63,7 @@ class Sequence:
     rng: Any = None  # torch.Generator of a sampled (non-greedy) sequence
 
     def __post_init__(self) -> None:
-        self.text = IncrementalText(self.token_bytes)
+        self.text = IncrementalText(self.guard.token_bytes)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -114,7 +113,7 @@ class Sequence:
     def truncate(self, keep: int) -> None:
         """Roll the answer back to its first `keep` tokens (SAR)."""
         del self.output_ids[keep:]
-        self.text = IncrementalText(self.token_bytes)
+        self.text = IncrementalText(self.guard.token_bytes)
         for t in self.output_ids:
             self.text.add(t)
         self.finish_reason = chat_pb2.FINISH_REASON_UNSPECIFIED
