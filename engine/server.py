@@ -13,6 +13,9 @@ from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 from .engine import LLMEngine
 
+# How soon an idle stream tells its gateway that the rules were reloaded.
+STATUS_POLL_S = 0.2
+
 
 class StreamSink:
     """Hands one gateway stream's events from the engine thread to its asyncio loop."""
@@ -38,9 +41,19 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> AsyncIterator[engine_pb2.EngineStep]:
         sink = StreamSink(asyncio.get_running_loop())
         reader = asyncio.create_task(self._read(request_iterator, sink))
+        sent: engine_pb2.EngineStatus | None = None
         try:
             while True:
-                yield await sink.steps.get()
+                try:
+                    step = await asyncio.wait_for(sink.steps.get(), STATUS_POLL_S)
+                except TimeoutError:
+                    step = engine_pb2.EngineStep()
+                status = self._status()
+                if status != sent:  # first step, or the rules were reloaded
+                    step.status.CopyFrom(status)
+                    sent = status
+                if step.events or step.HasField("status"):
+                    yield step
         finally:
             reader.cancel()
             self.engine.cancel(sink)  # the gateway is gone: free all of its sequences
@@ -60,6 +73,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 sink.deliver([e.to_event(msg.request.request_id)])
                 continue
             self.engine.submit(seq)
+
+    def _status(self) -> engine_pb2.EngineStatus:
+        return engine_pb2.EngineStatus(model=self.engine.model_name,
+                                       policy_version=self.engine.policy().version)
 
     async def Info(
         self, request: engine_pb2.InfoRequest, context: grpc.aio.ServicerContext

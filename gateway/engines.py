@@ -38,6 +38,8 @@ class EngineClient:
         self._handlers: dict[str, EventHandler] = {}
         self._connect_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time
+        # What a request submitted now would run under, as the engine last said on its stream.
+        self.status: engine_pb2.EngineStatus | None = None
 
     @property
     def in_flight(self) -> int:
@@ -93,6 +95,8 @@ class EngineClient:
         reason = "the engine closed the stream"
         try:
             async for step in call:
+                if step.HasField("status"):
+                    self.status = step.status
                 for event in step.events:
                     handler = self._handlers.get(event.request_id)
                     if handler is None:
@@ -107,6 +111,7 @@ class EngineClient:
         finally:
             if self._call is call:
                 self._call = None
+                self.status = None
             lost, self._handlers = self._handlers, {}
             if lost:
                 log.warning("engine stream lost", engine=self.address, requests=len(lost))
