@@ -1,4 +1,4 @@
-"""The `finsieve` command: serve, chat."""
+"""The `finsieve` command: serve, chat, audit, keys, limits, rules, model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from finsieve.cli_keys import add_commands as add_key_commands
+from finsieve.cli_keys import print_table
+from finsieve.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
+from finsieve.client import CredentialError
 from finsieve.config import ConfigError, Settings, settings_table
+from finsieve.display import cell
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ConfigError as e:
+    except (ConfigError, CredentialError) as e:
         print(f"finsieve: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -61,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int)
     s.add_argument("--max-context", type=int)
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0 = off)")
+    s.add_argument("--tls-cert", metavar="PEM", help="certificate chain served on every listener")
+    s.add_argument("--tls-key", metavar="PEM", help="its private key (mode 600)")
+    s.add_argument("--tls-client-ca", metavar="PEM",
+                   help="require client certificates signed by this CA (mTLS)")
+    s.add_argument("--client-cert-map", metavar="YAML",
+                   help="client-certificate subject or SAN -> tenant and role")
+    s.add_argument("--engine-ca", metavar="PEM", help="CA of the engines' certificates (TLS to engines)")
+    s.add_argument("--engine-secret-file", metavar="FILE",
+                   help="secret shared by gateways and engines")
+    s.add_argument("--limits-file", metavar="YAML", help="per-tenant limits")
+    s.add_argument("--allow-insecure", action="store_const", const=True,
+                   help="allow plaintext beyond loopback (not for production)")
     s.set_defaults(run=_serve)
 
     m = sub.add_parser("model", help="manage the embedded default model")
@@ -85,8 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
     def audit_parser(name: str, help: str, run, filters: bool = True) -> argparse.ArgumentParser:
         p = a_sub.add_parser(name, help=help)
-        p.add_argument("--target", default="127.0.0.1:50053", metavar="HOST:PORT",
-                       help="the gateway's AuditService (FINSIEVE_AUDIT_PORT)")
+        add_credential_args(p, OFFICERS_TARGET, "officer")
         if filters:
             p.add_argument("--since", type=_when, default=0,
                            help="1h, 30m, 7d ago; an ISO time; or Unix milliseconds")
@@ -105,9 +121,11 @@ def _parser() -> argparse.ArgumentParser:
                  _audit_verify)
     audit_parser("export", "every record of a time range as JSON lines on stdout", _audit_export)
 
+    add_key_commands(sub)
+
     c = sub.add_parser("chat", help="stream one answer from a gateway")
     c.add_argument("question")
-    c.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
+    add_credential_args(c, "127.0.0.1:50051", "app")
     c.add_argument("--max-tokens", type=int, default=0)
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--seed", type=int)
@@ -216,10 +234,11 @@ def _chat(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         code = 0
-        if args.wait and not await wait_ready(args.target, args.wait):
+        if args.wait and not await wait_ready(args.target, args.wait, transport(args)):
             print(f"finsieve chat: {args.target}: not serving after {args.wait:g} s", file=sys.stderr)
             return 1
-        async for event in stream_one(args.target, request):
+        creds = credentials(args)  # after the wait: a first `serve` writes the development keys
+        async for event in stream_one(args.target, request, credentials=creds):
             kind = event.WhichOneof("event")
             if args.json:
                 print(json_format.MessageToJson(
@@ -274,18 +293,10 @@ def _when(text: str) -> int:
             f"{text!r}: expected 90s, 30m, 1h, 7d, an ISO time or Unix milliseconds") from None
 
 
-def _audit_call(args: argparse.Namespace, call) -> int:
+def _audit_call(args: argparse.Namespace, fn) -> int:
     from finsieve.v1 import audit_pb2_grpc
 
-    async def run() -> int:
-        async with grpc.aio.insecure_channel(args.target) as channel:
-            return await call(audit_pb2_grpc.AuditServiceStub(channel))
-
-    try:
-        return asyncio.run(run())
-    except grpc.aio.AioRpcError as e:
-        print(f"finsieve audit: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+    return call(args, "finsieve audit", audit_pb2_grpc.AuditServiceStub, fn)
 
 
 def _query(args: argparse.Namespace):
@@ -314,7 +325,7 @@ def _audit_query(args: argparse.Namespace) -> int:
                 "finish_reason": rec.get("finish_reason", ""),
                 "rules": " ".join(f"{i['rule_id']}:{i['action']}" for i in rec.get("interventions", []))}
 
-    async def call(stub) -> int:
+    async def fn(stub) -> int:
         query = _query(args)
         query.page_size = min(args.limit, 1000)
         page = await stub.Query(query)
@@ -322,37 +333,32 @@ def _audit_query(args: argparse.Namespace) -> int:
         if args.format == "jsonl":
             for rec in records:
                 print(json.dumps(rec, ensure_ascii=False, sort_keys=True))
-        elif args.format == "csv":
+        elif args.format == "csv":  # cells neutralized: client strings never run as formulas
             writer = csv.DictWriter(sys.stdout, fieldnames=columns)
             writer.writeheader()
-            writer.writerows(row(r) for r in records)
+            writer.writerows({c: cell(v) for c, v in row(r).items()} for r in records)
         else:
-            print("  ".join(f"{c:<{w}}" for c, w in zip(columns, _WIDTHS, strict=True)))
-            for r in map(row, records):
-                print("  ".join(f"{r[c]!s:<{w}}" for c, w in zip(columns, _WIDTHS, strict=True)))
+            print_table(columns, [row(r) for r in records])
         return 0
 
-    return _audit_call(args, call)
-
-
-_WIDTHS = (6, 25, 15, 10, 10, 16, 14, 0)
+    return _audit_call(args, fn)
 
 
 def _audit_show(args: argparse.Namespace) -> int:
     from finsieve.v1 import audit_pb2
 
-    async def call(stub) -> int:
+    async def fn(stub) -> int:
         rec = await stub.Get(audit_pb2.AuditGetRequest(seq=args.seq))
         print(json.dumps(json.loads(rec.json), ensure_ascii=False, indent=2, sort_keys=True))
         return 0
 
-    return _audit_call(args, call)
+    return _audit_call(args, fn)
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
     from finsieve.v1 import audit_pb2
 
-    async def call(stub) -> int:
+    async def fn(stub) -> int:
         v = await stub.Verify(audit_pb2.AuditVerifyRequest(since_ms=args.since, until_ms=args.until))
         if v.ok:
             print(f"audit trail intact: {v.checked} records checked")
@@ -361,16 +367,16 @@ def _audit_verify(args: argparse.Namespace) -> int:
               f"({v.checked} records checked before it)")
         return 1
 
-    return _audit_call(args, call)
+    return _audit_call(args, fn)
 
 
 def _audit_export(args: argparse.Namespace) -> int:
-    async def call(stub) -> int:
+    async def fn(stub) -> int:
         async for rec in stub.Export(_query(args)):
             print(json.dumps(json.loads(rec.json), ensure_ascii=False, sort_keys=True))
         return 0
 
-    return _audit_call(args, call)
+    return _audit_call(args, fn)
 
 
 if __name__ == "__main__":

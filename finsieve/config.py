@@ -37,9 +37,9 @@ class Settings:
     max_rollbacks: int = _setting(8, "rollbacks (SAR) per request before it halts")
     state_dir: str = _setting(".finsieve", "state: converted model, embedded Valkey data")
     redis_url: str = _setting("", "Redis/Valkey URL; empty = start an embedded Valkey")
-    audit_key: str = _setting("", "HMAC key of the audit chain (secret); empty = audit_key_file")
     audit_key_file: str = _setting(
-        "", "file holding the HMAC key; empty = <state dir>/audit.key, made on first start")
+        "", "file (mode 600, >= 32 bytes) holding the audit chain's HMAC key; empty = "
+        "<state dir>/audit.key, made on first start")
     audit_fail_open: bool = _setting(
         False, "serve a request even if its audit record cannot be written (default: refuse)")
     appendfsync: Literal["always", "everysec", "no"] = _setting(
@@ -48,6 +48,31 @@ class Settings:
     cache_max_bytes: int = _setting(262144, "largest response the cache keeps")
     audit_retention_days: float = _setting(
         0.0, "delete audit records older than this (behind a signed checkpoint); 0 = keep all")
+    allow_insecure: bool = _setting(
+        False, "allow plaintext listeners on non-loopback addresses and plaintext to remote engines")
+    tls_cert: str = _setting("", "PEM certificate chain served on every listener (with tls_key)")
+    tls_key: str = _setting("", "PEM private key of tls_cert (mode 600)")
+    tls_client_ca: str = _setting(
+        "", "PEM CA bundle: every listener requires a client certificate signed by it (mTLS)")
+    client_cert_map: str = _setting(
+        "", "YAML file mapping client-certificate subjects or SANs to tenant and role")
+    engine_ca: str = _setting(
+        "", "PEM CA bundle that signed the engines' certificates; set = TLS to engines")
+    engine_secret_file: str = _setting(
+        "", "shared secret gateways present to engines; empty = <state dir>/engine.secret, "
+        "made on first start")
+    keys_secret_file: str = _setting(
+        "", "server key of the stored API-key hashes (the same on every gateway); empty = "
+        "<state dir>/keys.secret, made on first start")
+    key_cache_s: float = _setting(
+        5.0, "verified API keys are cached this long: a revocation takes effect within it")
+    key_cache_max: int = _setting(10000, "most verified keys, and tenants' limits, cached per gateway")
+    limits_file: str = _setting("", "YAML file of per-tenant limits (see README)")
+    tenant_requests_per_s: float = _setting(50.0, "default requests per second per tenant; 0 = unlimited")
+    tenant_tokens_per_min: int = _setting(
+        200000, "default generated tokens per minute per tenant; 0 = unlimited")
+    tenant_concurrent_streams: int = _setting(
+        64, "default open Chat streams per tenant; 0 = unlimited")
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
     max_batch: int = _setting(8, "sequences decoded together (KV cache slots)")
     max_context: int = _setting(2048, "tokens per sequence, prompt + completion")
@@ -95,6 +120,12 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
+        for name in ("key_cache_s", "tenant_requests_per_s", "tenant_tokens_per_min",
+                     "tenant_concurrent_streams"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{self.env_name(name)}: must not be negative")
+        if self.key_cache_max <= 0:
+            raise ConfigError(f"{self.env_name('key_cache_max')}: must be positive")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError("FINSIEVE_DEFAULT_MAX_TOKENS: must not exceed max_tokens_limit")
         if self.role == "gateway" and not self.engines:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from finsieve.v1 import chat_pb2
 
@@ -34,3 +37,13 @@ def error_event(
         error=chat_pb2.Error(code=code.value[0], message=message, field=field,
                              retry_after_ms=retry_after_ms),
     )
+
+
+def retry_status(code: grpc.StatusCode, message: str, retry_after_ms: int) -> grpc.Status:
+    """A whole call's refusal with a google.rpc.RetryInfo saying when to try again."""
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(
+        retry_delay=duration_pb2.Duration(seconds=retry_after_ms // 1000,
+                                          nanos=retry_after_ms % 1000 * 1_000_000)))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message,
+                                                  details=[detail]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,12 @@ class RunningServer:
             await self.health.set(name, status)
 
 
-async def start_server(address: str, services: list[Service]) -> RunningServer:
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+async def start_server(address: str, services: list[Service], *,
+                       credentials: grpc.ServerCredentials | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
+    """Serve `services` (plus health and reflection) on `address`; TLS when credentials are
+    given (plaintext otherwise: callers check that this is allowed, see finsieve.tls)."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:
@@ -54,7 +58,8 @@ async def start_server(address: str, services: list[Service]) -> RunningServer:
          reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()

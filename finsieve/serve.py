@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import signal
 import threading
@@ -15,21 +14,54 @@ import prometheus_client
 import redis.asyncio as redis
 import structlog
 
-from finsieve.config import ConfigError, Settings
+from finsieve import secretfiles, tls
+from finsieve.auth import ROLES, AuthInterceptor, SharedSecret, Unauthenticated, roles_for
+from finsieve.client import CredentialError, read_key_file
+from finsieve.config import Settings
+from finsieve.gateway.admin_service import AdminService, key_event
 from finsieve.gateway.audit import AuditError, AuditLog
 from finsieve.gateway.audit_service import AuditService
 from finsieve.gateway.cache import ResponseCache
-from finsieve.gateway.engines import EnginePool
+from finsieve.gateway.engines import EngineCredentials, EnginePool
+from finsieve.gateway.identity import CertMap, ClientAuthenticator
+from finsieve.gateway.keys import KeyStore
+from finsieve.gateway.limits import Limiter, TenantLimits, load_limits_file
 from finsieve.gateway.server import GatewayService
 from finsieve.grpc_server import RunningServer, Service, start_server
 from finsieve.policy.reload import PolicyHolder
-from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
+from finsieve.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    audit_pb2,
+    audit_pb2_grpc,
+    chat_pb2,
+    chat_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+)
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
 
 
+def _name(module) -> str:
+    return next(iter(module.DESCRIPTOR.services_by_name.values())).full_name
+
+
+GATEWAY, AUDIT, ADMIN, ENGINE = (_name(m) for m in (chat_pb2, audit_pb2, admin_pb2, engine_pb2))
+DEV_TENANT = "default"
+
+
 async def serve(settings: Settings) -> None:
+    # Everything that can refuse a configuration does so before anything starts.
+    tls.check_transport(settings)
+    secretfiles.private_dir(settings.state_path)
+    gateway_side = settings.role in ("all", "gateway")
+    audit_key = secretfiles.audit_key(settings) if gateway_side else b""
+    keys_secret = secretfiles.keys_secret(settings) if gateway_side else b""
+    # Role all: the engine is in this process, on loopback; a fresh secret each start.
+    engine_secret = (secrets.token_hex(32).encode() if settings.role == "all"
+                     else secretfiles.engine_secret(settings))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -40,15 +72,22 @@ async def serve(settings: Settings) -> None:
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
         client = None
-        if settings.role in ("all", "gateway"):
+        embedded = False
+        if gateway_side:
             # First: valkey-server is forked before gRPC starts its threads.
-            client = await _start_redis(settings, stack)
+            client, embedded = await _start_redis(settings, stack)
         if settings.role in ("all", "engine"):
-            address = await _start_engine(settings, stack)
+            address = await _start_engine(settings, engine_secret, stack)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
         if client is not None:
-            audit = AuditLog(client, _audit_key(settings))
-            gateway, running = await _start_gateway(settings, engine_addresses, audit, client, stack)
+            audit = AuditLog(client, audit_key)
+            keys = KeyStore(client, keys_secret, settings.key_cache_s, settings.key_cache_max)
+            if embedded:
+                await _development_keys(settings, keys, audit)
+            engine_tls = tls.engine_channel_credentials(settings) if settings.role == "gateway" else None
+            gateway, running = await _start_gateway(
+                settings, engine_addresses, EngineCredentials(engine_secret, engine_tls), audit,
+                keys, client, stack)
             await _admin(audit, {"event": "server_start", "role": settings.role})
             watch = asyncio.create_task(_watch_admin(gateway.engines, audit, settings))
             await stop.wait()
@@ -62,7 +101,7 @@ async def serve(settings: Settings) -> None:
     log.info("stopped")
 
 
-async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
+async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack) -> str:
     # Imported here: a gateway-only process never loads torch.
     from finsieve.engine.engine import EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model, resolve_device
@@ -83,14 +122,15 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
     thread.start()
     stack.callback(thread.join, 10)
     stack.callback(engine.stop)
-    host = settings.host if settings.role == "engine" else "127.0.0.1"
-    port = settings.engine_port if settings.role == "engine" else 0
-    service = Service(
-        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
-        EngineService(engine, holder),
-        engine_pb2_grpc.add_EngineServicer_to_server,
-    )
-    running = await start_server(f"{host}:{port}", [service])
+    apart = settings.role == "engine"  # else in this process, on loopback, for our gateway
+    host = settings.host if apart else "127.0.0.1"
+    port = settings.engine_port if apart else 0
+    service = Service(ENGINE, EngineService(engine, holder), engine_pb2_grpc.add_EngineServicer_to_server)
+    # Engines trust only gateways: the shared secret, or a client certificate they verified.
+    gate = AuthInterceptor(SharedSecret(secret, trust_client_certificates=apart and bool(
+        settings.tls_client_ca)), roles_for({ENGINE: "gateway"}))
+    running = await start_server(f"{host}:{port}", [service], interceptors=[gate],
+                                 credentials=tls.server_credentials(settings) if apart else None)
     stack.push_async_callback(running.server.stop, 1)
     log.info("engine serving", address=f"{host}:{running.port}", model=engine.model_name,
              device=str(device), max_batch=engine.max_batch, max_context=engine.max_context)
@@ -114,60 +154,82 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     return holder
 
 
-async def _start_redis(settings: Settings, stack: AsyncExitStack) -> redis.Redis:
-    url = settings.redis_url
+async def _start_redis(settings: Settings, stack: AsyncExitStack) -> tuple[redis.Redis, bool]:
+    """A client of the configured Redis, or of an embedded Valkey; and whether it is embedded."""
+    url, password = settings.redis_url, None
     if not url:
         valkey = EmbeddedValkey(settings.state_path / "valkey", settings.appendfsync)
         url = await asyncio.to_thread(valkey.start)
+        password = valkey.password
         stack.callback(valkey.stop)
         log.info("embedded valkey started", pid=valkey.process.pid, port=valkey.port,
                  appendfsync=settings.appendfsync)
-    client = await connect(url)
+    client = await connect(url, password=password)
     stack.push_async_callback(client.aclose)
     log.info("redis connected", url=redact(url))
-    return client
+    return client, not settings.redis_url
 
 
-def _audit_key(settings: Settings) -> bytes:
-    """The chain's HMAC key: configured, or a file (made with a random key on first start)."""
-    if settings.audit_key:
-        return settings.audit_key.encode()
-    path = Path(settings.audit_key_file) if settings.audit_key_file else settings.state_path / "audit.key"
-    if not path.exists():
-        if settings.audit_key_file:
-            raise ConfigError(f"FINSIEVE_AUDIT_KEY_FILE {path}: no such file")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        log.info("audit key created", path=str(path))
-    return path.read_text().strip().encode()
+async def _development_keys(settings: Settings, keys: KeyStore, audit: AuditLog) -> None:
+    """One key per role in <state dir>/keys/<role>.key (0600), so the README's commands work
+    against the embedded default. Kept while they verify; made again when they do not."""
+    directory = secretfiles.private_dir(settings.state_path / "keys")
+    for role in ROLES:
+        path = directory / f"{role}.key"
+        try:
+            await keys.verify(read_key_file(path, "development key"))
+            continue
+        except (CredentialError, Unauthenticated):
+            pass
+        key, info = await keys.create(DEV_TENANT, role, f"development {role} key",
+                                      all_tenants=role != "app", created_by="serve")
+        secretfiles.write_private(path, key + "\n")
+        await _admin(audit, {**key_event("key_created", info), "by": "serve"})
+    log.info("development keys ready: for local use only; create real keys with "
+             "`finsieve keys create`", directory=str(directory), tenant=DEV_TENANT)
 
 
 async def _start_gateway(
-    settings: Settings, engines: list[str], audit: AuditLog, client: redis.Redis,
-    stack: AsyncExitStack,
+    settings: Settings, engines: list[str], engine_credentials: EngineCredentials,
+    audit: AuditLog, keys: KeyStore, client: redis.Redis, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
     from finsieve.gateway.validation import Limits
 
-    pool = EnginePool(engines)
+    certs = CertMap.load(Path(settings.client_cert_map)) if settings.client_cert_map else None
+    per_tenant = load_limits_file(Path(settings.limits_file)) if settings.limits_file else {}
+    credentials = tls.server_credentials(settings)
+    auth = ClientAuthenticator(keys, certs)
+    limiter = Limiter(client, TenantLimits(settings.tenant_requests_per_s,
+                                           settings.tenant_tokens_per_min,
+                                           settings.tenant_concurrent_streams),
+                      per_tenant, settings.key_cache_s, settings.key_cache_max)
+    renew = asyncio.create_task(limiter.renew_leases())
+    stack.callback(renew.cancel)
+    pool = EnginePool(engines, engine_credentials)
     stack.push_async_callback(pool.close)
     cache = ResponseCache(client, settings.cache_ttl_s, settings.cache_max_bytes) \
         if settings.cache_ttl_s > 0 else None
     gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
-                             audit, cache, settings.audit_fail_open)
-    running = await start_server(f"{settings.host}:{settings.port}", [Service(
-        chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
-        chat_pb2_grpc.add_GatewayServicer_to_server)])
+                             audit, cache, settings.audit_fail_open, auth, limiter)
+    running = await start_server(
+        f"{settings.host}:{settings.port}",
+        [Service(GATEWAY, gateway, chat_pb2_grpc.add_GatewayServicer_to_server)],
+        credentials=credentials,
+        interceptors=[AuthInterceptor(auth, roles_for({GATEWAY: "app"}))])
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)
-    log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines)
+    log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines,
+             tls=credentials is not None, mtls=bool(settings.tls_client_ca))
     # Records hold every user's messages: officers get their own listener, loopback by default.
-    officers = await start_server(f"{settings.audit_host}:{settings.audit_port}", [Service(
-        audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name, AuditService(audit),
-        audit_pb2_grpc.add_AuditServiceServicer_to_server)])
+    officers = await start_server(
+        f"{settings.audit_host}:{settings.audit_port}",
+        [Service(AUDIT, AuditService(audit), audit_pb2_grpc.add_AuditServiceServicer_to_server),
+         Service(ADMIN, AdminService(keys, limiter, audit),
+                 admin_pb2_grpc.add_AdminServiceServicer_to_server)],
+        credentials=credentials,
+        interceptors=[AuthInterceptor(auth, roles_for({AUDIT: "officer", ADMIN: "admin"}))])
     stack.push_async_callback(officers.server.stop, 1)
-    log.info("audit service serving", address=f"{settings.audit_host}:{officers.port}")
+    log.info("audit and admin services serving", address=f"{settings.audit_host}:{officers.port}")
     return gateway, running
 
 

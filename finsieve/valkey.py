@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import platform
+import re
+import secrets
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as redis
+
+from finsieve.secretfiles import private_dir, write_private
+
+# What valkey-server inherits of our environment: nothing that could hold a secret.
+CHILD_ENV = ("PATH", "LANG", "LC_ALL", "TZ")
 
 
 class RedisUnavailable(RuntimeError):
@@ -33,38 +40,46 @@ def valkey_binary() -> Path:
     return binary
 
 
-def _die_with_parent() -> None:
-    # Linux: the server gets SIGTERM if finsieve dies, even by SIGKILL: no orphan.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _child_setup() -> None:
+    os.umask(0o077)  # data files 0600, directories 0700
+    if platform.system() == "Linux":
+        # The server gets SIGTERM if finsieve dies, even by SIGKILL: no orphan.
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EmbeddedValkey:
-    """A valkey-server on loopback, a free port, AOF on, data under `data_dir`."""
+    """A valkey-server on loopback, a free port, AOF on, data under `data_dir` (0700, files
+    0600), with a password generated at each start. The password reaches the server in a 0600
+    config file, never in its argv or environment; clients get it from `password`."""
 
     def __init__(self, data_dir: Path, appendfsync: str = "everysec") -> None:
         self.data_dir = data_dir
         self.appendfsync = appendfsync
         self.port = 0
+        self.password = ""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        """The server's URL, without the password (give `password` to the client)."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> str:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
+        for path in self.data_dir.rglob("*"):  # data written before files were kept private
+            os.chmod(path, 0o700 if path.is_dir() else 0o600)
         self.port = _free_port()
-        args = [
-            str(valkey_binary()), "--bind", "127.0.0.1", "--port", str(self.port),
-            "--dir", str(self.data_dir), "--appendonly", "yes",
-            "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
-            "--protected-mode", "yes", "--logfile", "valkey.log",
-        ]
-        preexec = _die_with_parent if platform.system() == "Linux" else None
+        self.password = secrets.token_urlsafe(32)
+        config = self.data_dir / "valkey.conf"
+        write_private(config, "\n".join([
+            "bind 127.0.0.1", f"port {self.port}", f"dir {_quoted(self.data_dir)}",
+            "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""', "daemonize no",
+            "protected-mode yes", "logfile valkey.log", f"requirepass {self.password}", ""]))
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, preexec_fn=preexec,
+            [str(valkey_binary()), str(config)], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_child_setup,
+            env={k: os.environ[k] for k in CHILD_ENV if k in os.environ},
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -93,24 +108,44 @@ class EmbeddedValkey:
             proc.wait()
 
 
-async def connect(url: str, timeout: float = 3.0) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+async def connect(url: str, timeout: float = 3.0, password: str | None = None) -> redis.Redis:
+    extra = {"password": password} if password else {}
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout,
+                                      socket_timeout=timeout, **extra)
+    except ValueError:  # redis-py's message may quote the URL, password included
+        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: not a redis:// or "
+                               "rediss:// or unix:// URL") from None
     try:
         await client.ping()
     except (redis.RedisError, OSError) as e:
         await client.aclose()
-        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: cannot connect: {e}") from None
+        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: cannot connect: "
+                               f"{redact(str(e))}") from None
     return client
 
 
+def _quoted(path: Path) -> str:
+    return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_QUERY_SECRET = re.compile(r"(?i)([?&;](?:password|pass|pwd|auth)=)[^&;]*")
+
+
 def redact(url: str) -> str:
-    """The URL without its password, fit for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """The URL without any password, fit for logs and error messages.
+
+    Parsed by hand, not with urllib: a password may hold '#', '@', '/' or '?', which
+    urlsplit takes for the end of the user part. Everything before the last '@' of the
+    authority is treated as user information; only a user name before ':' is kept."""
+    url = _QUERY_SECRET.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
         return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    userinfo, _, host = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return f"{scheme}://{masked}@{host}"
 
 
 def _free_port() -> int:
@@ -123,6 +158,6 @@ def _answers_ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up, and asks for the password
     except OSError:
         return False

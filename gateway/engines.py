@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -27,11 +28,28 @@ _OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class EngineCredentials:
+    """How a gateway proves itself to engines: the shared secret, over TLS when configured."""
+
+    secret: bytes = b""
+    tls: grpc.ChannelCredentials | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.secret.decode()}"),) if self.secret else ()
+
+
 class EngineClient:
-    def __init__(self, address: str, connect_timeout: float = 3.0) -> None:
+    def __init__(self, address: str, connect_timeout: float = 3.0,
+                 credentials: EngineCredentials | None = None) -> None:
         self.address = address
         self._connect_timeout = connect_timeout
-        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        credentials = credentials or EngineCredentials()
+        self._metadata = credentials.metadata
+        self._channel = (grpc.aio.secure_channel(address, credentials.tls, options=_OPTIONS)
+                         if credentials.tls is not None
+                         else grpc.aio.insecure_channel(address, options=_OPTIONS))
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -68,7 +86,8 @@ class EngineClient:
 
     async def info(self, timeout: float = 2.0) -> engine_pb2.EngineInfo | None:
         try:
-            return await self._stub.Info(engine_pb2.InfoRequest(), timeout=timeout)
+            return await self._stub.Info(engine_pb2.InfoRequest(), timeout=timeout,
+                                         metadata=self._metadata)
         except grpc.aio.AioRpcError:
             return None
 
@@ -87,7 +106,7 @@ class EngineClient:
                 raise self._unavailable(
                     f"it is unreachable (no connection within {self._connect_timeout:g} s)"
                 ) from None
-            self._call = self._stub.Generate()
+            self._call = self._stub.Generate(metadata=self._metadata)
             self._reader = asyncio.create_task(self._read(self._call))
             return self._call
 
@@ -106,6 +125,9 @@ class EngineClient:
                     handler(event)
         except grpc.aio.AioRpcError as e:
             reason = f"lost the stream to it ({_status(e)})"
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                log.error("engine refused this gateway's credential: the engine secret (or "
+                          "client certificate) differs", engine=self.address)
         except asyncio.CancelledError:
             reason = "the gateway closed the stream"
         finally:
@@ -126,8 +148,8 @@ class EngineClient:
 class EnginePool:
     """Spreads requests over engines: the least loaded first, the next on failure."""
 
-    def __init__(self, addresses: list[str]) -> None:
-        self.clients = [EngineClient(a) for a in addresses]
+    def __init__(self, addresses: list[str], credentials: EngineCredentials | None = None) -> None:
+        self.clients = [EngineClient(a, credentials=credentials) for a in addresses]
         self._ids = itertools.count()
 
     def new_id(self) -> str:

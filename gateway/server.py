@@ -8,6 +8,8 @@ requests are refused, requests in flight may finish until the deadline, then str
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,12 +17,15 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from finsieve.errors import RequestError, invalid
+from finsieve.auth import UNAUTHENTICATED_MESSAGE, Principal, caller
+from finsieve.errors import RequestError, invalid, retry_status
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 from .audit import AuditError, AuditLog
 from .cache import ResponseCache, cache_key
 from .engines import TERMINAL, EngineClient, EnginePool
+from .identity import ClientAuthenticator
+from .limits import Limiter
 from .outbox import Outbox
 from .trace import Trace
 from .validation import Limits, validate
@@ -36,8 +41,9 @@ class _InFlight:
 
 @dataclass(eq=False)
 class _Stream:
-    """One client's Chat stream: its outbox and its requests in flight by client id."""
+    """One client's Chat stream: its caller, outbox and requests in flight by client id."""
 
+    caller: Principal
     out: Outbox = field(default_factory=Outbox)
     in_flight: dict[str, _InFlight] = field(default_factory=dict)
     reading_done: bool = False
@@ -49,12 +55,17 @@ class _Stream:
 
 class GatewayService(chat_pb2_grpc.GatewayServicer):
     def __init__(self, engines: EnginePool, limits: Limits, audit: AuditLog | None = None,
-                 cache: ResponseCache | None = None, audit_fail_open: bool = False) -> None:
+                 cache: ResponseCache | None = None, audit_fail_open: bool = False,
+                 auth: ClientAuthenticator | None = None, limiter: Limiter | None = None) -> None:
         self.engines = engines
         self.limits = limits
         self.audit = audit
         self.cache = cache
         self.audit_fail_open = audit_fail_open
+        self.auth = auth
+        self.limiter = limiter
+        self._instance = secrets.token_hex(6)  # names this gateway's stream leases in Redis
+        self._stream_count = itertools.count()
         self.draining = False
         self._streams: set[_Stream] = set()
         self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores
@@ -64,7 +75,13 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         request_iterator: AsyncIterator[chat_pb2.ChatClientMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[chat_pb2.ChatServerMessage]:
-        stream = _Stream()
+        stream = _Stream(caller())
+        stream_id = f"{self._instance}:{next(self._stream_count)}"
+        if self.limiter is not None and (
+                wait := await self.limiter.open_stream(stream.caller.tenant, stream_id)):
+            await context.abort_with_status(retry_status(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the tenant's limit of concurrent streams is reached", wait))
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
@@ -76,6 +93,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         finally:
             reader.cancel()
             self._streams.discard(stream)
+            if self.limiter is not None:
+                await self.limiter.close_stream(stream_id)
             for flight in stream.in_flight.values():
                 if flight.engine is not None:
                     await flight.engine.cancel(flight.internal_id)
@@ -106,12 +125,13 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             validate(req, self.limits)
             if client_id in stream.in_flight:
                 raise invalid("request_id", "a request with this id is already in flight on this stream")
+            await self._admit(stream.caller)
         except RequestError as e:
             stream.out.put(e.to_event(client_id))
             return
         flight = _InFlight(self.engines.new_id())
         stream.in_flight[client_id] = flight
-        trace = Trace(req)
+        trace = Trace(req, stream.caller)
         key = await self._cache_key(req, trace)
 
         def relay(event: chat_pb2.ChatServerMessage) -> None:
@@ -125,6 +145,9 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 stream.in_flight.pop(client_id, None)
                 _log_outcome(event, trace.started)
                 self._in_background(self._complete(trace, key))
+                if self.limiter is not None and not trace.cache_hit and event.HasField("finished"):
+                    self._in_background(self.limiter.charge(
+                        stream.caller.tenant, event.finished.usage.completion_tokens))
                 stream.close_if_idle(self.draining)
 
         if key is not None and self.cache is not None and (hit := await self.cache.get(key)):
@@ -142,6 +165,16 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             flight.engine = await self.engines.submit(internal, relay)
         except RequestError as e:
             relay(e.to_event(client_id))
+
+    async def _admit(self, who: Principal) -> None:
+        """A stream's key is checked again for each request (revocation, expiry), then the
+        tenant's request and token rates."""
+        if self.auth is not None and not await self.auth.still_valid(who):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        if self.limiter is not None and (wait := await self.limiter.admit(who.tenant)):
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "the tenant's request or token rate limit is reached",
+                               retry_after_ms=wait)
 
     async def _cache_key(self, req: chat_pb2.ChatRequest, trace: Trace) -> str | None:
         """The cache key under the model and policy version in force now, if cacheable."""

@@ -9,9 +9,11 @@ from typing import Any
 from google.protobuf import json_format
 from prometheus_client import Histogram
 
+from finsieve.auth import Principal
 from finsieve.v1 import chat_pb2
 
-IDENTITY = ("tenant", "app", "user")  # metadata keys that identify the caller
+# The app's own labels for its end user and itself; the tenant never comes from metadata.
+CLIENT_LABELS = ("app", "user")
 TTFT = Histogram("finsieve_time_to_first_token_seconds", "Request received to first text delivered",
                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
 
@@ -19,6 +21,7 @@ TTFT = Histogram("finsieve_time_to_first_token_seconds", "Request received to fi
 @dataclass
 class Trace:
     request: chat_pb2.ChatRequest  # as the client sent it
+    caller: Principal  # who sent it: decides the tenant
     started: float = field(default_factory=time.monotonic)
     first_delta: float | None = None
     model: str = ""
@@ -30,7 +33,9 @@ class Trace:
     events: list[chat_pb2.ChatServerMessage] = field(default_factory=list)  # as the client got them
 
     def identity(self) -> dict[str, str]:
-        return {k: self.request.metadata.get(k, "") for k in IDENTITY}
+        """Tenant and key from the credential; app and end user as the app labels them."""
+        return {"tenant": self.caller.tenant, "key_id": self.caller.key_id,
+                **{k: self.request.metadata.get(k, "") for k in CLIENT_LABELS}}
 
     def observe(self, event: chat_pb2.ChatServerMessage) -> None:
         """Record one event on its way to the client (suppressed text still attached)."""

@@ -28,15 +28,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Where each started server keeps its state, by its targets: clients find its development keys.
+_STATE_DIRS: dict[str, Path] = {}
+
+
+def dev_key(target: str, role: str = "app") -> str:
+    """The development key of `role` that the server at `target` wrote on start."""
+    return (_STATE_DIRS[target] / "keys" / f"{role}.key").read_text().strip()
+
+
+def auth(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
 @dataclass
 class Server:
     process: subprocess.Popen[bytes]
     target: str
     audit_target: str
     log_path: Path
+    state: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def key(self, role: str) -> str:
+        return dev_key(self.target, role)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.process.poll() is None:
@@ -53,7 +70,8 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
     full_env = {**os.environ, "FINSIEVE_LOG_FORMAT": "json", **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path)
+    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state")
+    _STATE_DIRS[server.target] = _STATE_DIRS[server.audit_target] = server.state
     if ready and not asyncio.run(wait_ready(server.target, 120)):
         server.stop(signal.SIGKILL)
         raise RuntimeError(f"server did not come up:\n{server.log()}")
@@ -116,15 +134,15 @@ def wait_gone(pid: int, timeout: float = 10) -> bool:
 
 
 class ChatStream:
-    """A real client stream on which a test sends requests and cancels and reads events."""
+    """A real client stream on which a test sends requests and cancels and reads events.
+    It authenticates with `key`, by default the server's development app key."""
 
-    def __init__(self, target: str) -> None:
-        import grpc
-
-        from finsieve.grpc_server import CHANNEL_OPTIONS
+    def __init__(self, target: str, key: str | None = None, credentials=None) -> None:
+        from finsieve.client import Credentials
         from finsieve.v1 import chat_pb2_grpc
 
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        credentials = credentials or Credentials(dev_key(target) if key is None else key)
+        self._channel = credentials.channel(target)
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = chat_pb2_grpc.GatewayStub(self._channel).Chat(self._requests())
         self.events: list = []  # every event received, in order

@@ -1,0 +1,153 @@
+"""Who is calling, and may they call this: one gate in front of every servicer.
+
+`AuthInterceptor` authenticates every call except gRPC health checking (load balancers and
+probes call it without a credential), checks the caller's role against the service, and
+hands the `Principal` to the handler through a context variable (gRPC's servicer context
+cannot carry it). A service missing from the role table is refused: a new service is
+closed until someone decides who may call it. Failures say only UNAUTHENTICATED or
+PERMISSION_DENIED; the reason goes to the log, never to the caller.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2
+
+log = structlog.get_logger(__name__)
+
+ROLES = ("app", "officer", "admin")
+GATEWAY_ROLE = "gateway"  # what an engine calls the gateways it trusts
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+UNAUTHENTICATED_MESSAGE = "missing or invalid credentials"
+DENIED_MESSAGE = "permission denied"
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str  # an API key's id, "cert:<subject>" for a client certificate, or "gateway"
+    tenant: str
+    role: str
+    all_tenants: bool = False
+    name: str = ""
+    # The verified credential's keyed hash, to check it again later (revocation, expiry).
+    credential: str = field(default="", repr=False)
+
+    def may_see(self, tenant: str) -> bool:
+        return self.all_tenants or tenant == self.tenant
+
+
+class Unauthenticated(Exception):
+    """No usable credential. The message is for the log only."""
+
+
+Authenticate = Callable[[Mapping[str, str], Mapping[str, list[bytes]]], Awaitable[Principal]]
+
+# Set by AuthInterceptor for the task serving one call (and the tasks it creates).
+_CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("finsieve_caller")
+
+
+def caller() -> Principal:
+    """The authenticated caller of the call being served. Outside an authenticated call this
+    raises LookupError: a handler reached without the interceptor fails, it never runs open."""
+    return _CALLER.get()
+
+
+def bearer(metadata: Mapping[str, str]) -> str | None:
+    value = metadata.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, authenticate: Authenticate, roles: Mapping[str, frozenset[str]]) -> None:
+        """roles: full service name -> roles that may call it (health needs no entry)."""
+        self._authenticate = authenticate
+        self._roles = dict(roles)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        service = details.method.lstrip("/").split("/", 1)[0]
+        if handler is None or service == HEALTH:
+            return handler
+        allowed = self._roles.get(service, frozenset())
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                self._streaming(handler.stream_stream, allowed), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(handler.unary_stream, allowed), handler.request_deserializer,
+                handler.response_serializer)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(handler.stream_unary, allowed), handler.request_deserializer,
+                handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, allowed), handler.request_deserializer,
+            handler.response_serializer)
+
+    def _unary(self, behavior, allowed: frozenset[str]):
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._admit(context, allowed)
+            return await behavior(request, context)
+        return call
+
+    def _streaming(self, behavior, allowed: frozenset[str]):
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await self._admit(context, allowed)
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):
+                async for response in result:
+                    yield response
+            else:  # a handler that writes through context.write
+                await result
+        return call
+
+    async def _admit(self, context: grpc.aio.ServicerContext, allowed: frozenset[str]) -> None:
+        metadata = {k.lower(): v for k, v in context.invocation_metadata() or ()
+                    if isinstance(v, str)}
+        try:
+            principal = await self._authenticate(metadata, context.auth_context())
+        except Unauthenticated as e:
+            log.info("authentication failed", reason=str(e), peer=context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        if principal.role not in allowed:
+            log.info("permission denied", key_id=principal.key_id, role=principal.role,
+                     peer=context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, DENIED_MESSAGE)
+        _CALLER.set(principal)
+
+
+def roles_for(services: Mapping[str, str]) -> dict[str, frozenset[str]]:
+    """The role table of a listener: each service's one role; reflection for any of them."""
+    table = {name: frozenset({role}) for name, role in services.items()}
+    every = frozenset(services.values())
+    return {**table, **{name: every for name in REFLECTION}}
+
+
+class SharedSecret:
+    """An engine's check of its gateways: the shared secret as a bearer token, or a client
+    certificate that the engine's --tls-client-ca verified during the handshake."""
+
+    def __init__(self, secret: bytes, trust_client_certificates: bool = False) -> None:
+        self._secret = secret
+        self._trust_certs = trust_client_certificates
+
+    async def __call__(self, metadata: Mapping[str, str],
+                       auth_context: Mapping[str, list[bytes]]) -> Principal:
+        token = bearer(metadata)
+        if token is not None:
+            if hmac.compare_digest(token.encode(), self._secret):
+                return Principal("gateway", "", GATEWAY_ROLE)
+            raise Unauthenticated("wrong engine secret")
+        if self._trust_certs and auth_context.get("x509_pem_cert"):
+            return Principal("gateway", "", GATEWAY_ROLE)
+        raise Unauthenticated("no engine secret")

@@ -1,0 +1,95 @@
+"""Secrets on disk: private directories, 0600 files written atomically, strict reads."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from pathlib import Path
+
+import structlog
+
+from finsieve.config import ConfigError, Settings
+
+log = structlog.get_logger(__name__)
+
+MIN_SECRET_BYTES = 32
+MAX_SECRET_BYTES = 16384  # room for a PEM private key
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and parents) as 0700; tighten it if it exists with a looser mode."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(path.stat().st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def write_private(path: Path, data: str) -> None:
+    """Write a 0600 file atomically (a reader never sees it half written or world-readable)."""
+    private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_secret(path: Path, setting: str) -> bytes:
+    """A secret file's content, refused when missing, loosely permitted, empty or short.
+
+    The message names the setting and the file, never the content."""
+    where = f"{setting} {path}"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{where}: not a regular file")
+    if st.st_mode & 0o077:
+        raise ConfigError(f"{where}: readable or writable by group or others "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`")
+    if st.st_size > MAX_SECRET_BYTES:
+        raise ConfigError(f"{where}: larger than {MAX_SECRET_BYTES} bytes: not a key file")
+    try:
+        data = path.read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
+    if not data:
+        raise ConfigError(f"{where}: the file is empty")
+    if len(data) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{where}: holds {len(data)} bytes, at least {MIN_SECRET_BYTES} are "
+                          f"needed (e.g. `openssl rand -hex 32 > {path}`)")
+    return data
+
+
+def secret_file(configured: str, default: Path, setting: str) -> bytes:
+    """The secret of a configured file (which must exist), or of `default`, created with a
+    random secret on first use."""
+    if configured:
+        return read_secret(Path(configured), setting)
+    if not default.exists():
+        write_private(default, secrets.token_hex(32) + "\n")
+        log.info("secret file created", setting=setting, path=str(default))
+    return read_secret(default, setting)
+
+
+def audit_key(s: Settings) -> bytes:
+    return secret_file(s.audit_key_file, s.state_path / "audit.key", "FINSIEVE_AUDIT_KEY_FILE")
+
+
+def keys_secret(s: Settings) -> bytes:
+    return secret_file(s.keys_secret_file, s.state_path / "keys.secret", "FINSIEVE_KEYS_SECRET_FILE")
+
+
+def engine_secret(s: Settings) -> bytes:
+    return secret_file(s.engine_secret_file, s.state_path / "engine.secret",
+                       "FINSIEVE_ENGINE_SECRET_FILE")
