@@ -28,6 +28,7 @@ HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
 UNAUTHENTICATED_MESSAGE = "missing or invalid credentials"
 DENIED_MESSAGE = "permission denied"
+CHECK_UNAVAILABLE_MESSAGE = "credentials cannot be checked now; retry later"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class Principal:
 
 class Unauthenticated(Exception):
     """No usable credential. The message is for the log only."""
+
+
+class CheckUnavailable(Exception):
+    """The credential cannot be checked now (its store is unreachable): UNAVAILABLE, so the
+    caller retries instead of discarding a good key. The message is for the log only."""
 
 
 Authenticate = Callable[[Mapping[str, str], Mapping[str, list[bytes]]], Awaitable[Principal]]
@@ -119,6 +125,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         except Unauthenticated as e:
             log.info("authentication failed", reason=str(e), peer=context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        except CheckUnavailable as e:
+            log.warning("credentials cannot be checked", reason=str(e))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, CHECK_UNAVAILABLE_MESSAGE)
         if principal.role not in allowed:
             log.info("permission denied", key_id=principal.key_id, role=principal.role,
                      peer=context.peer())

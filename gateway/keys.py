@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import redis.asyncio as redis
 import structlog
 
-from finsieve.auth import ROLES, Principal, Unauthenticated
+from finsieve.auth import ROLES, CheckUnavailable, Principal, Unauthenticated
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +35,7 @@ KEY_RE = re.compile(r"^fsk_([0-9a-f]{16})_([0-9a-f]{64})$")
 KEY_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 MAX_NAME = 128
 MAX_EXPIRY_S = 10 * 365 * 86400
+STALE_IF_ERROR_S = 60.0  # how long a verified key outlives its cache entry while Redis is down
 
 
 def record_key(key_id: str) -> str:
@@ -185,7 +186,8 @@ class KeyStore:
         return await self._check(match[1], self.digest(key))
 
     async def check_again(self, principal: Principal) -> bool:
-        """Whether the principal's key is still valid (not revoked or expired since)."""
+        """Whether the principal's key is still valid (not revoked or expired since).
+        Raises CheckUnavailable when that cannot be known."""
         try:
             await self._check(principal.key_id, principal.credential)
         except Unauthenticated:
@@ -193,25 +195,33 @@ class KeyStore:
         return True
 
     async def _check(self, key_id: str, digest: str) -> Principal:
-        now = time.monotonic()
-        cached = self._cache.get(digest)
-        if cached is not None and now - cached[1] < self._cache_s:
-            info = cached[0]
-        else:
-            try:
-                parsed = _parse(key_id, await self.redis.hgetall(record_key(key_id)))
-            except (redis.RedisError, OSError) as e:
-                raise Unauthenticated(f"key store unavailable ({type(e).__name__})") from None
-            if parsed is None:
-                self._cache.pop(digest, None)
-                raise Unauthenticated(f"unknown or malformed key {key_id}")
-            info, stored = parsed
-            if not hmac.compare_digest(stored, digest):
-                raise Unauthenticated(f"wrong secret for key {key_id}")
-            self._cache[digest] = (info, now)
-            self._cache.move_to_end(digest)
-            while len(self._cache) > self._cache_max:
-                self._cache.popitem(last=False)
+        info = await self._entry(key_id, digest)
         if why := info.usable(int(time.time() * 1000)):
             raise Unauthenticated(f"key {key_id} is {why}")
         return info.principal(digest)
+
+    async def _entry(self, key_id: str, digest: str) -> KeyInfo:
+        """The entry of a presented key: cached, or read from Redis and compared."""
+        now = time.monotonic()
+        cached = self._cache.get(digest)
+        if cached is not None and now - cached[1] < self._cache_s:
+            return cached[0]
+        try:
+            parsed = _parse(key_id, await self.redis.hgetall(record_key(key_id)))
+        except (redis.RedisError, OSError) as e:
+            # Nothing can be revoked while Redis is down: a key verified a moment ago stays
+            # good for a while (not refreshed); an unknown one cannot be checked.
+            if cached is not None and now - cached[1] < STALE_IF_ERROR_S:
+                return cached[0]
+            raise CheckUnavailable(f"key store unreachable ({type(e).__name__})") from None
+        if parsed is None:
+            self._cache.pop(digest, None)
+            raise Unauthenticated(f"unknown or malformed key {key_id}")
+        info, stored = parsed
+        if not hmac.compare_digest(stored, digest):
+            raise Unauthenticated(f"wrong secret for key {key_id}")
+        self._cache[digest] = (info, now)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._cache_max:
+            self._cache.popitem(last=False)
+        return info

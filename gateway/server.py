@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from finsieve.auth import UNAUTHENTICATED_MESSAGE, Principal, caller
+from finsieve.auth import (
+    CHECK_UNAVAILABLE_MESSAGE,
+    UNAUTHENTICATED_MESSAGE,
+    CheckUnavailable,
+    Principal,
+    caller,
+)
 from finsieve.errors import RequestError, invalid, retry_status
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
@@ -169,8 +175,11 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
     async def _admit(self, who: Principal) -> None:
         """A stream's key is checked again for each request (revocation, expiry), then the
         tenant's request and token rates."""
-        if self.auth is not None and not await self.auth.still_valid(who):
-            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        try:
+            if self.auth is not None and not await self.auth.still_valid(who):
+                raise RequestError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+        except CheckUnavailable:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, CHECK_UNAVAILABLE_MESSAGE) from None
         if self.limiter is not None and (wait := await self.limiter.admit(who.tenant)):
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                "the tenant's request or token rate limit is reached",

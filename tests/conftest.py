@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -54,6 +56,16 @@ class Server:
 
     def key(self, role: str) -> str:
         return dev_key(self.target, role)
+
+    def valkey(self):
+        """A client of the server's embedded Valkey (port from the log, password from the
+        0600 config file: what an operator on the machine can do)."""
+        import redis.asyncio as redis
+
+        port = next(json.loads(line)["port"] for line in self.log().splitlines()
+                    if '"embedded valkey started"' in line)
+        conf = (self.state / "valkey" / "valkey.conf").read_text()
+        return redis.Redis(port=port, password=re.search(r"^requirepass (\S+)$", conf, re.M)[1])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.process.poll() is None:

@@ -16,12 +16,12 @@ import redis.asyncio as redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from finsieve.client import chat_request
+from finsieve.client import Credentials, chat_request
 from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import ChatStream, free_port, start_server, text_of
+from conftest import ChatStream, dev_key, free_port, start_server, text_of
 
 KEY = b"test-key"
 
@@ -36,7 +36,7 @@ def valkey(tmp_path) -> EmbeddedValkey:
 
 def with_log(valkey: EmbeddedValkey, fn):
     async def run():
-        client = redis.Redis(port=valkey.port)
+        client = redis.Redis(port=valkey.port, password=valkey.password)
         try:
             return await fn(AuditLog(client, KEY), client)
         finally:
@@ -100,7 +100,7 @@ def test_two_gateway_processes_appending_at_once_never_fork_the_chain(valkey):
         "import asyncio, sys, redis.asyncio as r\n"
         "from finsieve.gateway.audit import AuditLog\n"
         "async def main():\n"
-        f"    log = AuditLog(r.Redis(port={valkey.port}), {KEY!r})\n"
+        f"    log = AuditLog(r.Redis(port={valkey.port}, password={valkey.password!r}), {KEY!r})\n"
         "    for i in range(150):\n"
         "        await log.append('request', {'request_id': sys.argv[1] + str(i)})\n"
         "asyncio.run(main())\n"
@@ -153,9 +153,10 @@ def test_retention_trims_behind_a_signed_checkpoint(valkey):
 # -- through the server ----------------------------------------------------------------
 
 
-def audit_stub(target: str, fn):
+def audit_stub(target: str, fn, key: str | None = None):
+    """fn(stub) on a channel authenticated with `key` (default: the server's officer key)."""
     async def run():
-        async with grpc.aio.insecure_channel(target) as ch:
+        async with Credentials(dev_key(target, "officer") if key is None else key).channel(target) as ch:
             return await fn(audit_pb2_grpc.AuditServiceStub(ch))
     return asyncio.run(run())
 
@@ -215,7 +216,9 @@ def test_every_finish_reason_leaves_a_complete_record(server):
         started, final = records_for(server.audit_target, rid)
         assert started["type"] == "request_started" and final["type"] == "request"
         assert started["seq"] < final["seq"]
-        assert (final["tenant"], final["app"], final["user"]) == ("bank-a", "mobile", "alice")
+        # The tenant is the key's (the development app key's), never the metadata's.
+        assert (final["tenant"], final["app"], final["user"]) == ("default", "mobile", "alice")
+        assert final["key_id"] and final["metadata"]["tenant"] == "bank-a"
         assert final["messages"] == [{"role": "user", "content": reqs[[r.request_id for r in reqs]
                                                                       .index(rid)].messages[0].content}]
         assert final["model"] == "SmolLM2-135M-Instruct" and final["policy_version"]
@@ -239,8 +242,8 @@ def test_every_finish_reason_leaves_a_complete_record(server):
 def test_audit_cli_and_service(server):
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args,
-                               "--target", server.audit_target], capture_output=True, text=True,
-                              timeout=60)
+                               "--target", server.audit_target, "--state-dir", str(server.state)],
+                              capture_output=True, text=True, timeout=60)
 
     run_requests(server.target, [tagged("cli-audit", "Say hi.", max_tokens=4)])
     verify = cli("verify")
@@ -315,7 +318,7 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
     finally:
         srv.stop()
     events = [r["event"] for r in admin]
-    assert events[0] == "server_start"
+    assert events[:4] == ["key_created"] * 3 + ["server_start"]  # development keys first
     loaded = next(r for r in admin if r["event"] == "rule_pack_loaded")
     assert loaded["policy_version"] == version
     rejected = next(r for r in admin if r["event"] == "rule_pack_rejected")
@@ -325,6 +328,9 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
 def test_requests_are_refused_when_the_audit_trail_is_down(tmp_path, default_model_dir):
     srv = start_server(tmp_path, "--model", str(default_model_dir))
     try:
+        # A key verified just before Redis went away stays good (nothing can be revoked
+        # meanwhile); a request is then refused for want of its audit record.
+        run_requests(srv.target, [tagged("before", "Say hi.", max_tokens=1)])
         valkey = next(json.loads(line)["pid"] for line in srv.log().splitlines()
                       if '"embedded valkey started"' in line)
         os.kill(valkey, signal.SIGKILL)
@@ -340,6 +346,7 @@ def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tmp_path, defau
     srv = start_server(tmp_path, "--model", str(default_model_dir),
                        env={"FINSIEVE_AUDIT_FAIL_OPEN": "true"})
     try:
+        run_requests(srv.target, [tagged("before", "Say hi.", max_tokens=1)])  # key verified
         valkey = next(json.loads(line)["pid"] for line in srv.log().splitlines()
                       if '"embedded valkey started"' in line)
         os.kill(valkey, signal.SIGKILL)
@@ -368,15 +375,12 @@ def test_failed_requests_are_audited_and_verify_exits_1_at_a_broken_record(tmp_p
 
         def verify() -> subprocess.CompletedProcess[str]:
             return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", "verify",
-                                   "--target", srv.audit_target], capture_output=True, text=True,
-                                  timeout=60)
+                                   "--target", srv.audit_target, "--state-dir", str(srv.state)],
+                                  capture_output=True, text=True, timeout=60)
 
         assert verify().returncode == 0
-        port = next(json.loads(line)["port"] for line in srv.log().splitlines()
-                    if '"embedded valkey started"' in line)
-
         async def tamper():
-            client = redis.Redis(port=port)
+            client = srv.valkey()
             rec = json.loads(await client.get(record_key(final["seq"])))
             rec["delivered"] = "something else"
             await client.set(record_key(final["seq"]), json.dumps(rec))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import grpc
 import pytest
 
 from finsieve.client import chat_request
-from finsieve.v1 import chat_pb2
+from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 from conftest import ChatStream, free_port, kinds, pids_named, start_server, text_of, wait_gone
 
@@ -153,7 +154,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, defaul
 def test_chat_cli_json_prints_one_event_object_per_line(server):
     out = subprocess.run(
         [sys.executable, "-m", "finsieve.cli", "chat", "--target", server.target, "--json",
-         "--max-tokens", "6", "Say hello."],
+         "--state-dir", str(server.state), "--max-tokens", "6", "Say hello."],
         capture_output=True, text=True, timeout=120, check=True,
     )
     events = [json.loads(line) for line in out.stdout.splitlines()]
@@ -169,6 +170,7 @@ def test_chat_cli_reports_an_unreachable_gateway(tmp_path):
         [sys.executable, "-m", "finsieve.cli", "chat", "--target", f"127.0.0.1:{free_port()}",
          "hello"],
         capture_output=True, text=True, timeout=60,
+        env={**os.environ, "FINSIEVE_API_KEY": "fsk_0123456789abcdef_" + "0" * 64},
     )
     assert out.returncode == 1
     assert "UNAVAILABLE" in out.stderr and "Traceback" not in out.stderr
@@ -199,9 +201,21 @@ def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_d
             return False
 
         assert asyncio.run(engine_up()), engine.log()
+
+        async def info_without_the_secret() -> g.StatusCode:
+            async with g.aio.insecure_channel(f"127.0.0.1:{engine_port}") as ch:
+                try:
+                    await engine_pb2_grpc.EngineStub(ch).Info(engine_pb2.InfoRequest(), timeout=10)
+                except g.aio.AioRpcError as e:
+                    return e.code()
+            return g.StatusCode.OK
+
+        assert asyncio.run(info_without_the_secret()) == g.StatusCode.UNAUTHENTICATED
+        # The engine made its secret on first start; the gateway is given a copy of it.
         gateway = start_server(tmp_path / "g", "--role", "gateway",
                                "--engine", f"127.0.0.1:{free_port()}",
-                               "--engine", f"127.0.0.1:{engine_port}")
+                               "--engine", f"127.0.0.1:{engine_port}",
+                               "--engine-secret-file", str(tmp_path / "e/state/engine.secret"))
         try:
             async def go():
                 async with ChatStream(gateway.target) as s:

@@ -91,11 +91,13 @@ def test_other_architectures_fall_back_to_transformers_forward(tiny_gpt2):
     assert text_of(events) == _hf_greedy(model.hf_model, model.tokenizer, "Hello there", 12)
 
 
-def test_health_and_reflection_are_served(server):
+def test_health_is_open_and_reflection_needs_a_key(server):
     import grpc
 
-    async def go():
-        async with grpc.aio.insecure_channel(server.target) as ch:
+    from finsieve.client import Credentials
+
+    async def go(key: str):
+        async with Credentials(key).channel(server.target) as ch:
             health = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service="finsieve.v1.Gateway"))
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -103,12 +105,18 @@ def test_health_and_reflection_are_served(server):
             async def ask():
                 yield reflection_pb2.ServerReflectionRequest(list_services="")
 
-            async for reply in stub.ServerReflectionInfo(ask()):
-                return health, {s.name for s in reply.list_services_response.service}
+            try:
+                async for reply in stub.ServerReflectionInfo(ask()):
+                    return health, {s.name for s in reply.list_services_response.service}
+            except grpc.aio.AioRpcError as e:
+                return health, e.code()
 
-    health, services = asyncio.run(go())
+    health, services = asyncio.run(go(server.key("app")))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert {"finsieve.v1.Gateway", "grpc.health.v1.Health"} <= services
+    health, refused = asyncio.run(go(""))  # probes need no key; everything else does
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert refused == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_qwen2_directory_runs_on_the_compact_forward(tmp_path, engine):
