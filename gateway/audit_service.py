@@ -76,7 +76,7 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
                   context: grpc.aio.ServicerContext) -> audit_pb2.AuditRecord:
         officer = caller()
         await self._read(context, "audit_get", "" if officer.all_tenants else officer.tenant,
-                         {"seq": request.seq})
+                         {"record_seq": request.seq})
         rec = await self.log.get(request.seq)
         if rec is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"seq: no audit record {request.seq}")

@@ -22,6 +22,8 @@ from finsieve.client import wait_ready
 REPO = Path(__file__).resolve().parents[1]
 # The converted default model is prepared once by `make setup` and shared by all tests.
 MODEL_STATE = REPO / ".finsieve"
+# Per-tenant limits of the session server, for the tenants test_identity.py makes keys for.
+SESSION_LIMITS = "tenants:\n  t-tokens:\n    tokens_per_min: 10\n"
 
 
 def free_port() -> int:
@@ -37,10 +39,6 @@ _STATE_DIRS: dict[str, Path] = {}
 def dev_key(target: str, role: str = "app") -> str:
     """The development key of `role` that the server at `target` wrote on start."""
     return (_STATE_DIRS[target] / "keys" / f"{role}.key").read_text().strip()
-
-
-def auth(key: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),)
 
 
 @dataclass
@@ -74,7 +72,8 @@ class Server:
 
 
 def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
-                 ready: bool = True) -> Server:
+                 ready: bool = True, credentials=None) -> Server:
+    """`finsieve serve` on free ports; waits for health (over TLS with `credentials`)."""
     port, audit_port = free_port(), free_port()
     log_path = tmp / f"serve-{port}.log"
     cmd = [sys.executable, "-m", "finsieve.cli", "serve", "--port", str(port),
@@ -84,7 +83,7 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state")
     _STATE_DIRS[server.target] = _STATE_DIRS[server.audit_target] = server.state
-    if ready and not asyncio.run(wait_ready(server.target, 120)):
+    if ready and not asyncio.run(wait_ready(server.target, 120, credentials)):
         server.stop(signal.SIGKILL)
         raise RuntimeError(f"server did not come up:\n{server.log()}")
     return server
@@ -100,8 +99,10 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
     """One full server (gateway + engine + embedded Valkey) for the session."""
-    srv = start_server(tmp_path_factory.mktemp("server"), "--model", str(default_model_dir),
-                       "--metrics-port", str(free_port()))
+    tmp = tmp_path_factory.mktemp("server")
+    (tmp / "limits.yaml").write_text(SESSION_LIMITS)
+    srv = start_server(tmp, "--model", str(default_model_dir), "--metrics-port", str(free_port()),
+                       "--limits-file", str(tmp / "limits.yaml"))
     yield srv
     srv.stop()
 
