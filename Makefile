@@ -34,7 +34,7 @@ run: setup
 	@set -e; \
 	$(BIN)/finsieve serve --port $(PORT) --state-dir $(STATE) & pid=$$!; \
 	trap 'kill $$pid 2>/dev/null; wait $$pid' EXIT; \
-	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --wait 120 --max-tokens 200 "$(QUESTION)"
+	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 --max-tokens 200 "$(QUESTION)"
 
 test: setup
 	$(BIN)/pytest -q

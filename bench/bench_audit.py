@@ -25,7 +25,7 @@ from pathlib import Path
 
 import redis.asyncio as redis
 
-from finsieve.client import chat_request, stream_one, wait_ready
+from finsieve.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
 from finsieve.gateway.audit import TIME, AuditLog, Filters, index_key, record_key
 from finsieve.valkey import EmbeddedValkey
 
@@ -37,8 +37,8 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def appends(port: int, n: int, writers: int) -> dict:
-    clients = [redis.Redis(port=port) for _ in range(writers)]
+async def appends(port: int, password: str, n: int, writers: int) -> dict:
+    clients = [redis.Redis(port=port, password=password) for _ in range(writers)]
     logs = [AuditLog(c, b"bench-key") for c in clients]
     latencies: list[float] = []
 
@@ -59,9 +59,9 @@ async def appends(port: int, n: int, writers: int) -> dict:
             "chain_ok": ok}
 
 
-async def bulk_load(port: int, n: int, rule_share: float = 0.01) -> None:
+async def bulk_load(port: int, password: str, n: int, rule_share: float = 0.01) -> None:
     """Records with indexes as the gateway writes them (not chained: only queries are timed)."""
-    client = redis.Redis(port=port)
+    client = redis.Redis(port=port, password=password)
     rng = random.Random(0)
     now = int(time.time() * 1000) - n
     for start in range(0, n, 10_000):
@@ -82,8 +82,8 @@ async def bulk_load(port: int, n: int, rule_share: float = 0.01) -> None:
     await client.aclose()
 
 
-async def query_latency(port: int) -> dict:
-    client = redis.Redis(port=port)
+async def query_latency(port: int, password: str) -> dict:
+    client = redis.Redis(port=port, password=password)
     log = AuditLog(client, b"bench-key")
     out = {}
     for name, f in (("by rule", Filters(rule_id="card")), ("by user", Filters(user="user42")),
@@ -99,12 +99,13 @@ async def query_latency(port: int) -> dict:
     return out
 
 
-async def ttft(target: str, prompts: list[str]) -> dict:
+async def ttft(target: str, credentials: Credentials, prompts: list[str]) -> dict:
     async def first_delta(i: int, prompt: str) -> tuple[float, bool]:
         # Read to the end: a stream cancelled after its first delta is never cached.
         start = time.perf_counter()
         hit, first = False, float("nan")
-        async for e in stream_one(target, chat_request(f"t{i}", prompt, max_tokens=32)):
+        async for e in stream_one(target, chat_request(f"t{i}", prompt, max_tokens=32),
+                                  credentials=credentials):
             if e.WhichOneof("event") == "started":
                 hit = e.started.cache_hit
             if e.WhichOneof("event") == "delta" and e.delta.text and first != first:
@@ -132,7 +133,7 @@ def main() -> None:
             server.start()
             try:
                 for writers in (1, 8):
-                    row = asyncio.run(appends(server.port, args.appends, writers))
+                    row = asyncio.run(appends(server.port, server.password, args.appends, writers))
                     result["appends"].append({"appendfsync": policy, **row})
             finally:
                 server.stop()
@@ -142,9 +143,9 @@ def main() -> None:
         server.start()
         try:
             start = time.perf_counter()
-            asyncio.run(bulk_load(server.port, args.records))
+            asyncio.run(bulk_load(server.port, server.password, args.records))
             result["bulk_load_s"] = time.perf_counter() - start
-            result["query"] = asyncio.run(query_latency(server.port))
+            result["query"] = asyncio.run(query_latency(server.port, server.password))
         finally:
             server.stop()
 
@@ -161,7 +162,8 @@ def main() -> None:
             assert asyncio.run(wait_ready(target, 180))
             prompts = ["What is a bond?", "What is an index fund?", "What does APR mean?",
                        "Why diversify?", "What is inflation?"]
-            result["ttft"] = asyncio.run(ttft(target, prompts))
+            key = dev_key_path(tmp, "app").read_text().strip()
+            result["ttft"] = asyncio.run(ttft(target, Credentials(key), prompts))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from finsieve.client import chat_request, stream_one, wait_ready
+from finsieve.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
 
 from prompts import LONG_ANSWERS
 
@@ -43,13 +43,13 @@ def time_setup() -> float:
         return time.perf_counter() - start
 
 
-async def one_stream(target: str, i: int, max_tokens: int) -> dict:
+async def one_stream(target: str, credentials: Credentials, i: int, max_tokens: int) -> dict:
     # Greedy with a stop-free long prompt: most runs use the full max_tokens.
     request = chat_request(f"b{i}", LONG_ANSWERS[i % len(LONG_ANSWERS)], max_tokens=max_tokens)
     start = time.perf_counter()
     first = None
     tokens = 0
-    async for event in stream_one(target, request):
+    async for event in stream_one(target, request, credentials=credentials):
         kind = event.WhichOneof("event")
         if kind == "delta" and first is None:
             first = time.perf_counter() - start
@@ -60,9 +60,9 @@ async def one_stream(target: str, i: int, max_tokens: int) -> dict:
     return {"ttft_s": first, "tokens": tokens, "seconds": time.perf_counter() - start}
 
 
-async def level(target: str, n: int, max_tokens: int) -> dict:
+async def level(target: str, credentials: Credentials, n: int, max_tokens: int) -> dict:
     start = time.perf_counter()
-    runs = await asyncio.gather(*(one_stream(target, i, max_tokens) for i in range(n)))
+    runs = await asyncio.gather(*(one_stream(target, credentials, i, max_tokens) for i in range(n)))
     wall = time.perf_counter() - start
     total = sum(r["tokens"] for r in runs)
     return {
@@ -115,8 +115,10 @@ def main() -> None:
             if not asyncio.run(wait_ready(target, 180)):
                 raise SystemExit("server did not come up")
             result["server_ready_s"] = time.perf_counter() - start
-            asyncio.run(level(target, 1, 8))  # warm-up
-            result["levels"] = [asyncio.run(level(target, n, args.max_tokens)) for n in args.streams]
+            creds = Credentials(dev_key_path(tmp, "app").read_text().strip())
+            asyncio.run(level(target, creds, 1, 8))  # warm-up
+            result["levels"] = [asyncio.run(level(target, creds, n, args.max_tokens))
+                                for n in args.streams]
             result["server_peak_rss_mib"] = peak_rss_mib(proc.pid)
         finally:
             proc.send_signal(signal.SIGTERM)

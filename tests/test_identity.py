@@ -19,9 +19,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from finsieve.client import Credentials, chat_request
-from finsieve.config import ConfigError
+from finsieve.config import ConfigError, Settings
 from finsieve.display import cell
 from finsieve.secretfiles import read_secret
+from finsieve.tls import check_transport
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc, chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey, redact
 
@@ -419,21 +420,34 @@ def test_mtls_identifies_the_client_by_its_certificate(tmp_path, certs):
         assert srv.stop() == 0
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--host", "0.0.0.0"], "--host 0.0.0.0"),
-    (["--audit-host", "0.0.0.0"], "--audit-host 0.0.0.0"),
-    (["--role", "gateway", "--engine", "10.1.2.3:50052"], "--engine 10.1.2.3:50052"),
-    (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key"),
+@pytest.mark.parametrize("settings, named", [
+    ({"host": "0.0.0.0"}, "--host 0.0.0.0"),
+    ({"audit_host": "10.0.0.5"}, "--audit-host 10.0.0.5"),
+    ({"role": "engine", "host": "::"}, "--host ::"),
+    ({"role": "gateway", "engines": "127.0.0.1:1,10.1.2.3:50052"}, "--engine 10.1.2.3:50052"),
+    ({"tls_cert": "cert.pem"}, "--tls-cert and --tls-key"),
+    ({"client_cert_map": "map.yaml"}, "--client-cert-map"),
 ])
-def test_start_up_refuses_plaintext_beyond_loopback(tmp_path, flags, named):
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "serve", "--state-dir",
-                          str(tmp_path / "state"), *flags], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 1 and named in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
-    if "plaintext" in out.stderr:  # says why, and what to do
-        assert "--allow-insecure" in out.stderr
-        assert ("--engine-ca" if "engine" in named else "--tls-cert") in out.stderr
+def test_plaintext_beyond_loopback_and_half_tls_are_refused(settings, named):
+    with pytest.raises(ConfigError) as err:
+        check_transport(Settings.load(settings, env={}))
+    message = str(err.value)
+    assert message.startswith(named)
+    if "plaintext" in message:  # says why, and what to do
+        assert "--allow-insecure" in message
+        assert ("--engine-ca" if "engine " in named else "--tls-cert") in message
+    allowed = Settings.load({**settings, "allow_insecure": True}, env={})
+    if "plaintext" in message:
+        check_transport(allowed)  # an explicit choice
+
+
+def test_serve_refuses_a_plaintext_public_bind(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "serve", "--host", "0.0.0.0",
+                          "--state-dir", str(tmp_path / "state")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "--host 0.0.0.0: refusing plaintext on a non-loopback address" in out.stderr
+    assert not (tmp_path / "state").exists()  # refused before anything was made
 
 
 # -- secrets ---------------------------------------------------------------------------------
