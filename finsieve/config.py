@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
+import yaml
+
 Role = Literal["all", "engine", "gateway"]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -159,6 +161,20 @@ def _parse(name: str, hint: Any, value: Any, source: str) -> Any:
     except ValueError as e:
         raise ConfigError(f"{source}: {value!r}: {e}") from None
     raise TypeError(f"unsupported setting type for {name}: {hint}")
+
+
+def load_yaml_file(path: Path, setting: str, max_bytes: int = 1 << 20) -> Any:
+    """A configuration file's YAML document; ConfigError naming the setting, file and line."""
+    where = f"{setting} {path}"
+    try:
+        if path.stat().st_size > max_bytes:
+            raise ConfigError(f"{where}: larger than {max_bytes} bytes")
+        return yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
+        raise ConfigError(f"{where}:{line}: not valid YAML") from None
 
 
 def settings_table() -> list[tuple[str, str, str]]:

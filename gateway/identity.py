@@ -13,14 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from finsieve.auth import ROLES, Principal, Unauthenticated, bearer
-from finsieve.config import ConfigError
+from finsieve.config import ConfigError, load_yaml_file
 
 from .keys import MAX_NAME, TENANT_RE, KeyStore
 
-MAX_MAP_BYTES = 1 << 20
 MAX_MAP_ENTRIES = 10000
 _FIELDS = {"subject", "san", "tenant", "role", "name", "all_tenants"}
 
@@ -34,15 +31,7 @@ class CertMap:
     def load(cls, path: Path, setting: str = "FINSIEVE_CLIENT_CERT_MAP") -> CertMap:
         """Read and check the mapping; a problem stops start-up naming file, entry and field."""
         where = f"{setting} {path}"
-        try:
-            if path.stat().st_size > MAX_MAP_BYTES:
-                raise ConfigError(f"{where}: larger than {MAX_MAP_BYTES} bytes")
-            doc = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
-            raise ConfigError(f"{where}:{line}: not valid YAML") from None
+        doc = load_yaml_file(path, setting)
         entries = doc.get("certificates") if isinstance(doc, dict) else None
         if not isinstance(entries, list) or len(entries) > MAX_MAP_ENTRIES:
             raise ConfigError(f"{where}: expected `certificates:` with a list of at most "

@@ -27,10 +27,9 @@ from typing import Any
 
 import redis.asyncio as redis
 import structlog
-import yaml
 from prometheus_client import Counter
 
-from finsieve.config import ConfigError
+from finsieve.config import ConfigError, load_yaml_file
 
 from .keys import TENANT_RE
 
@@ -42,7 +41,6 @@ LIMIT_ERRORS = Counter("finsieve_rate_limit_errors", "Limit checks skipped becau
 
 STREAM_LEASE_MS = 30_000
 STREAM_RETRY_MS = 1_000  # a hint only: when a stream ends is not known
-MAX_LIMITS_FILE_BYTES = 1 << 20
 BOUNDS = {"requests_per_s": 1e6, "tokens_per_min": 1e12, "concurrent_streams": 1e6}
 
 # ARGV holds (rate per ms, capacity, cost, need) per bucket. All buckets or none are drawn.
@@ -116,15 +114,7 @@ def _key(tenant: str, what: str) -> str:
 def load_limits_file(path: Path, setting: str = "FINSIEVE_LIMITS_FILE") -> dict[str, dict[str, Any]]:
     """`tenants: {name: {requests_per_s: .., tokens_per_min: .., concurrent_streams: ..}}`."""
     where = f"{setting} {path}"
-    try:
-        if path.stat().st_size > MAX_LIMITS_FILE_BYTES:
-            raise ConfigError(f"{where}: larger than {MAX_LIMITS_FILE_BYTES} bytes")
-        doc = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
-        raise ConfigError(f"{where}:{line}: not valid YAML") from None
+    doc = load_yaml_file(path, setting)
     tenants = doc.get("tenants") if isinstance(doc, dict) else None
     if not isinstance(tenants, dict) or set(doc) != {"tenants"}:
         raise ConfigError(f"{where}: expected one mapping `tenants:` of tenant -> limits")

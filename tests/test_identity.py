@@ -551,6 +551,33 @@ def test_redis_urls_are_masked_in_every_form(url, secret):
     assert "redis" in masked
 
 
+@pytest.mark.parametrize("kind, text, message", [
+    ("limits", "tenants:\n  bank-a: {requests_per_s: -1}\n",
+     "tenants.bank-a.requests_per_s: expected 0 (unlimited)"),
+    ("limits", "tenants:\n  bank-a: {tokens_per_minute: 5}\n",
+     "tenants.bank-a.tokens_per_minute: unknown limit"),
+    ("limits", "tenants:\n  bank a: {}\n", "tenants.bank a: not a tenant name"),
+    ("limits", "tenants:\n  bank-a: [\n", ":3: not valid YAML"),
+    ("certs", "certificates:\n  - {subject: 'CN=a', tenant: bank-a, role: root}\n",
+     "certificates[0].role: expected one of app, officer, admin"),
+    ("certs", "certificates:\n  - {subject: 'CN=a', san: 'x', tenant: t, role: app}\n",
+     "certificates[0]: give exactly one of subject or san"),
+    ("certs", "certificates:\n  - {san: 'x', tenant: t, role: app, all_tenants: true}\n",
+     "certificates[0].all_tenants: true or false; only officer and admin"),
+    ("certs", "certificates:\n  - {san: x, tenant: t, role: app}\n  - {san: x, tenant: u, role: app}\n",
+     "certificates[1].san: 'x' is mapped twice"),
+])
+def test_limits_and_certificate_map_files_name_the_entry_at_fault(tmp_path, kind, text, message):
+    from finsieve.gateway.identity import CertMap
+    from finsieve.gateway.limits import load_limits_file
+
+    path = tmp_path / f"{kind}.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        (load_limits_file if kind == "limits" else CertMap.load)(path)
+    assert str(path) in str(err.value) and message in str(err.value), str(err.value)
+
+
 def test_cells_are_neutralized_for_tables_and_spreadsheets():
     assert cell("=HYPERLINK(\"http://x\")") == "'=HYPERLINK(\"http://x\")"
     assert [cell(s)[0] for s in ("+1", "-1", "@SUM(A1)")] == ["'"] * 3
