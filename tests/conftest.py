@@ -120,6 +120,35 @@ def engine(default_model_dir: Path):
     return LLMEngine(model, EngineLimits(max_batch=8, max_context=2048, default_max_tokens=256), device)
 
 
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Path:
+    """A CA, a server certificate for 127.0.0.1, a client certificate for Bank A's mobile
+    app, and one from a CA the server does not trust."""
+    d = tmp_path_factory.mktemp("certs")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    def new_key_and(*args: str) -> list[str]:
+        return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", *args]
+
+    for ca in ("ca", "other-ca"):
+        openssl("req", "-x509", *new_key_and("-keyout", f"{ca}.key", "-out", f"{ca}.pem"),
+                "-days", "2", "-subj", f"/CN={ca}")
+    for name, subject, san, ca in [
+            ("server", "/CN=localhost", "DNS:localhost,IP:127.0.0.1", "ca"),
+            ("client", "/O=Bank A/CN=mobile-app", "URI:spiffe://bank-a/mobile", "ca"),
+            ("stranger", "/O=Bank A/CN=mobile-app", "URI:spiffe://bank-a/mobile", "other-ca")]:
+        openssl("req", *new_key_and("-keyout", f"{name}.key", "-out", f"{name}.csr"),
+                "-subj", subject)
+        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+    for key in d.glob("*.key"):
+        key.chmod(0o600)
+    return d
+
+
 def pids_named(name: str) -> set[int]:
     pids = set()
     for entry in Path("/proc").iterdir():

@@ -177,19 +177,25 @@ def test_chat_cli_reports_an_unreachable_gateway(tmp_path):
     assert time.monotonic() - start < 30
 
 
-def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_dir):
-    """The README's split deployment: a gateway in front of a dead and a live engine."""
+def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_dir, certs):
+    """The README's split deployment: a gateway in front of a dead and a live engine, the
+    live one over TLS, authenticated by the engine secret."""
     engine_port = free_port()
     for part in ("e", "g"):
         (tmp_path / part).mkdir()
     engine = start_server(tmp_path / "e", "--role", "engine", "--engine-port", str(engine_port),
-                          "--model", str(default_model_dir), ready=False)
+                          "--model", str(default_model_dir), "--tls-cert", str(certs / "server.pem"),
+                          "--tls-key", str(certs / "server.key"), ready=False)
     try:
         import grpc as g
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from finsieve.client import Credentials
+
+        tls = Credentials(tls_ca=(certs / "ca.pem").read_bytes())
+
         async def engine_up() -> bool:
-            async with g.aio.insecure_channel(f"127.0.0.1:{engine_port}") as ch:
+            async with tls.channel(f"127.0.0.1:{engine_port}") as ch:
                 for _ in range(600):
                     try:
                         r = await health_pb2_grpc.HealthStub(ch).Check(
@@ -203,7 +209,7 @@ def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_d
         assert asyncio.run(engine_up()), engine.log()
 
         async def info_without_the_secret() -> g.StatusCode:
-            async with g.aio.insecure_channel(f"127.0.0.1:{engine_port}") as ch:
+            async with tls.channel(f"127.0.0.1:{engine_port}") as ch:
                 try:
                     await engine_pb2_grpc.EngineStub(ch).Info(engine_pb2.InfoRequest(), timeout=10)
                 except g.aio.AioRpcError as e:
@@ -215,7 +221,8 @@ def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_d
         gateway = start_server(tmp_path / "g", "--role", "gateway",
                                "--engine", f"127.0.0.1:{free_port()}",
                                "--engine", f"127.0.0.1:{engine_port}",
-                               "--engine-secret-file", str(tmp_path / "e/state/engine.secret"))
+                               "--engine-secret-file", str(tmp_path / "e/state/engine.secret"),
+                               "--engine-ca", str(certs / "ca.pem"))
         try:
             async def go():
                 async with ChatStream(gateway.target) as s:

@@ -343,35 +343,6 @@ def test_limits_are_shared_by_two_gateways(tmp_path, shared_valkey):
 # -- TLS ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    """A CA, a server certificate for 127.0.0.1, a client certificate for Bank A's mobile
-    app, and one from a CA the server does not trust."""
-    d = tmp_path_factory.mktemp("certs")
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    def new_key_and(*args: str) -> list[str]:
-        return ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", *args]
-
-    for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", *new_key_and("-keyout", f"{ca}.key", "-out", f"{ca}.pem"),
-                "-days", "2", "-subj", f"/CN={ca}")
-    for name, subject, san, ca in [
-            ("server", "/CN=localhost", "DNS:localhost,IP:127.0.0.1", "ca"),
-            ("client", "/O=Bank A/CN=mobile-app", "URI:spiffe://bank-a/mobile", "ca"),
-            ("stranger", "/O=Bank A/CN=mobile-app", "URI:spiffe://bank-a/mobile", "other-ca")]:
-        openssl("req", *new_key_and("-keyout", f"{name}.key", "-out", f"{name}.csr"),
-                "-subj", subject)
-        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
-    for key in d.glob("*.key"):
-        key.chmod(0o600)
-    return d
-
-
 def tls(certs: Path, client: str | None = "client", key: str = "") -> Credentials:
     pem = {} if client is None else {"tls_cert": (certs / f"{client}.pem").read_bytes(),
                                      "tls_key": (certs / f"{client}.key").read_bytes()}
