@@ -15,7 +15,7 @@ import redis.asyncio as redis
 import structlog
 
 from finsieve import secretfiles, tls
-from finsieve.auth import ROLES, AuthInterceptor, SharedSecret, Unauthenticated, roles_for
+from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, SharedSecret, Unauthenticated, roles_for
 from finsieve.client import CredentialError, read_key_file
 from finsieve.config import Settings
 from finsieve.gateway.admin_service import AdminService, key_event
@@ -128,7 +128,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     service = Service(ENGINE, EngineService(engine, holder), engine_pb2_grpc.add_EngineServicer_to_server)
     # Engines trust only gateways: the shared secret, or a client certificate they verified.
     gate = AuthInterceptor(SharedSecret(secret, trust_client_certificates=apart and bool(
-        settings.tls_client_ca)), roles_for({ENGINE: "gateway"}))
+        settings.tls_client_ca)), roles_for({ENGINE: GATEWAY_ROLE}))
     running = await start_server(f"{host}:{port}", [service], interceptors=[gate],
                                  credentials=tls.server_credentials(settings) if apart else None)
     stack.push_async_callback(running.server.stop, 1)
