@@ -63,7 +63,9 @@ class _Walk:
 
     def __init__(self, log: AuditLog, anchors: list[Anchor]) -> None:
         self.log = log
-        self.anchors = {a.seq: a for a in sorted(anchors, key=lambda a: a.seq)}
+        self.anchors: dict[int, list[Anchor]] = {}
+        for a in anchors:
+            self.anchors.setdefault(a.seq, []).append(a)
         self.checked = 0
         self._sum_key = derive_key(log.key, "index-sum")
         self.expected_sum = 0  # of every index entry the records walked call for
@@ -106,9 +108,9 @@ class _Walk:
         if rec.get("prev") != prev:
             return (f"record {seq} does not link to record {seq - 1}: inserted, deleted or "
                     "reordered")
-        anchor = self.anchors.get(seq)
-        if anchor is not None and anchor.record_hmac != rec["hmac"]:
-            return f"record {seq} is not the record {_written(anchor)} shows"
+        for anchor in self.anchors.get(seq, []):
+            if anchor.record_hmac != rec["hmac"]:
+                return f"record {seq} is not the record {_written(anchor)} shows"
         return None
 
     async def _indexes(self, records: list[dict[str, Any]]) -> None:
@@ -121,8 +123,10 @@ class _Walk:
         async with self.log.redis.pipeline(transaction=False) as pipe:
             for key, seq, _ in expected:
                 pipe.zscore(key, seq)
-            scores = await pipe.execute()
+            scores = await pipe.execute(raise_on_error=False)
         for (key, seq, ts), score in zip(expected, scores, strict=True):
+            if isinstance(score, Exception):
+                raise Broken(seq, f"record {seq}'s index {_index_name(key)} is not an index (wrong type)")
             if score is None:
                 raise Broken(seq, f"record {seq} is missing from the index {_index_name(key)}")
             if score != ts:

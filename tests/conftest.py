@@ -60,6 +60,17 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
     return server
 
 
+@pytest.fixture
+def valkey(tmp_path: Path):
+    """A real valkey-server of its own (appendfsync always), for one test."""
+    from finsieve.valkey import EmbeddedValkey
+
+    server = EmbeddedValkey(tmp_path / "valkey", appendfsync="always")
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from finsieve.engine.loader import default_model_dir

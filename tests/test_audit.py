@@ -18,20 +18,13 @@ from grpc_status import rpc_status
 
 from finsieve.client import chat_request
 from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
+from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
 from conftest import ChatStream, free_port, start_server, text_of
 
 KEY = b"test-key"
-
-
-@pytest.fixture
-def valkey(tmp_path) -> EmbeddedValkey:
-    server = EmbeddedValkey(tmp_path / "valkey", appendfsync="always")
-    server.start()
-    yield server
-    server.stop()
 
 
 def with_log(valkey: EmbeddedValkey, fn):
@@ -57,7 +50,7 @@ def test_chain_verifies_and_queries_use_the_indexes(valkey):
         by_rule, _ = await log.query(Filters(rule_id="card"), limit=100)
         by_user, next_page = await log.query(Filters(user="u1"), limit=5)
         rest, _ = await log.query(Filters(user="u1"), limit=100, offset=next_page)
-        return await log.verify(), by_rule, by_user + rest
+        return await verify(log), by_rule, by_user + rest
 
     verdict, by_rule, by_user = with_log(valkey, go)
     assert verdict.ok and verdict.checked == 30
@@ -87,7 +80,7 @@ def test_verify_names_the_exact_broken_record(valkey, tamper):
             from finsieve.gateway.audit import canonical
             forged["hmac"] = h.new(b"guess", canonical(forged), "sha256").hexdigest()
             await client.set(record_key(5), json.dumps(forged))
-        return await log.verify()
+        return await verify(log)
 
     verdict = with_log(valkey, go)
     assert not verdict.ok
@@ -109,7 +102,7 @@ def test_two_gateway_processes_appending_at_once_never_fork_the_chain(valkey):
     assert [p.wait(120) for p in procs] == [0, 0]
 
     async def go(log, client):
-        return await log.verify(), await client.zcard(TIME)
+        return await verify(log), await client.zcard(TIME)
 
     verdict, count = with_log(valkey, go)
     assert verdict.ok and verdict.checked == count == 300
@@ -124,7 +117,7 @@ def test_kill_9_under_appendfsync_always_loses_no_acknowledged_record(valkey, tm
     restarted.start()
     try:
         async def go(log, client):
-            return await log.verify(), await client.zcard(TIME)
+            return await verify(log), await client.zcard(TIME)
 
         verdict, count = with_log(restarted, go)
     finally:
@@ -138,12 +131,12 @@ def test_retention_trims_behind_a_signed_checkpoint(valkey):
         await asyncio.sleep(0.01)  # records 6.. are strictly younger than 1..5
         await fill(log, 5)
         trimmed = await log.trim(json.loads(await client.get(record_key(6)))["ts_ms"])
-        ok = await log.verify()
+        ok = await verify(log)
         first = min(int(s) for s in await client.zrange(TIME, 0, -1))
         rec = json.loads(await client.get(record_key(first)))
         rec["prev"] = "0" * 64
         await client.set(record_key(first), json.dumps(rec))
-        return trimmed, ok, await log.verify(), first
+        return trimmed, ok, await verify(log), first
 
     trimmed, ok, broken, first = with_log(valkey, go)
     assert trimmed == 5 and ok.ok and ok.checked == 5
@@ -230,7 +223,7 @@ def test_every_finish_reason_leaves_a_complete_record(server):
     assert halted[0]["suppressed"] == "give me some insider tips"
     redacted = records_for(server.audit_target, "fin-redact")[1]["interventions"]
     assert {"rule_id": "payment-card-number", "action": "redact", "scope": "input",
-            "suppressed": "4111 1111 1111 1111"}.items() <= redacted[0].items()
+            "suppressed": "4111 11** **** 1111"}.items() <= redacted[0].items()
     # The client never saw the suppressed text.
     assert all(e.policy_event.suppressed == "" for e in events["fin-filter"]
                if e.WhichOneof("event") == "policy_event")
@@ -243,8 +236,8 @@ def test_audit_cli_and_service(server):
                               timeout=60)
 
     run_requests(server.target, [tagged("cli-audit", "Say hi.", max_tokens=4)])
-    verify = cli("verify")
-    assert verify.returncode == 0 and "intact" in verify.stdout
+    verified = cli("verify")
+    assert verified.returncode == 0 and "intact" in verified.stdout
     rows = [json.loads(line) for line in cli("query", "--request-id", "cli-audit", "--format",
                                              "jsonl").stdout.splitlines()]
     assert [r["type"] for r in rows] == ["request_started", "request"]
