@@ -183,6 +183,30 @@ class ChatStream:
         return {rid: [e for e in self.events if e.request_id == rid] for rid in request_ids}
 
 
+def run_requests(target: str, requests: list, cancel: str = "") -> dict:
+    """Send requests on one stream (cancel one after its first delta); events per request."""
+    async def go():
+        async with ChatStream(target) as s:
+            for r in requests:
+                s.send(r)
+            if cancel:
+                while not any(e.request_id == cancel and e.WhichOneof("event") == "delta"
+                              for e in s.events):
+                    await s.next()
+                s.cancel(cancel)
+            return await s.until_done(*(r.request_id for r in requests))
+    return asyncio.run(go())
+
+
+def tagged(request_id: str, question: str, **kw):
+    """A request from tenant bank-a's mobile app, user alice."""
+    from finsieve.client import chat_request
+
+    req = chat_request(request_id, question, **kw)
+    req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
+    return req
+
+
 def text_of(events: list) -> str:
     return "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")
 

@@ -16,13 +16,12 @@ import redis.asyncio as redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from finsieve.client import chat_request
 from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
 from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import ChatStream, free_port, start_server, text_of
+from conftest import free_port, run_requests, start_server, tagged, text_of
 
 KEY = b"test-key"
 
@@ -157,26 +156,6 @@ def records_for(target: str, request_id: str) -> list[dict]:
     page = audit_stub(target, lambda s: s.Query(audit_pb2.AuditQuery(request_id=request_id,
                                                                        page_size=100)))
     return [json.loads(r.json) for r in page.records]
-
-
-def run_requests(target: str, requests: list[chat_pb2.ChatRequest], cancel: str = "") -> dict:
-    async def go():
-        async with ChatStream(target) as s:
-            for r in requests:
-                s.send(r)
-            if cancel:
-                while not any(e.request_id == cancel and e.WhichOneof("event") == "delta"
-                              for e in s.events):
-                    await s.next()
-                s.cancel(cancel)
-            return await s.until_done(*(r.request_id for r in requests))
-    return asyncio.run(go())
-
-
-def tagged(request_id: str, question: str, **kw) -> chat_pb2.ChatRequest:
-    req = chat_request(request_id, question, **kw)
-    req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
-    return req
 
 
 def test_a_deterministic_answer_is_replayed_from_the_cache(server):
