@@ -207,6 +207,27 @@ def tagged(request_id: str, question: str, **kw):
     return req
 
 
+def wait_cached(server: Server, events: list, request) -> None:
+    """Wait until the server's embedded Valkey holds the answer's cache entry: the gateway
+    stores it after the client has the answer."""
+    import json
+
+    import redis
+
+    from finsieve.gateway.cache import cache_key
+
+    port = next(json.loads(line)["port"] for line in server.log().splitlines()
+                if '"embedded valkey started"' in line)
+    started = events[0].started
+    key = cache_key(request.metadata.get("tenant", ""), started.model, started.policy_version, request)
+    with redis.Redis(port=port) as client:
+        for _ in range(1000):
+            if client.exists(key):
+                return
+            time.sleep(0.01)
+    raise AssertionError("the answer was never cached")
+
+
 def text_of(events: list) -> str:
     return "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")
 

@@ -21,7 +21,7 @@ from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import free_port, run_requests, start_server, tagged, text_of
+from conftest import free_port, run_requests, start_server, tagged, text_of, wait_cached
 
 KEY = b"test-key"
 
@@ -161,11 +161,14 @@ def records_for(target: str, request_id: str) -> list[dict]:
 def test_a_deterministic_answer_is_replayed_from_the_cache(server):
     req = tagged("cache-1", "Name one kind of bond.", max_tokens=12)
     first = run_requests(server.target, [req])["cache-1"]
+    wait_cached(server, first, req)
     req.request_id = "cache-2"
     second = run_requests(server.target, [req])["cache-2"]
     assert not first[0].started.cache_hit and second[0].started.cache_hit
     assert text_of(second) == text_of(first) != ""
-    assert second[-1].finished == first[-1].finished
+    assert (second[-1].finished.finish_reason, second[-1].finished.usage) == \
+        (first[-1].finished.finish_reason, first[-1].finished.usage)
+    assert "" != second[-1].finished.audit_id != first[-1].finished.audit_id
     (record,) = records_for(server.audit_target, "cache-2")
     assert record["cache_hit"] is True and record["delivered"] == text_of(first)
     sampled = tagged("cache-3", "Name one kind of bond.", max_tokens=12, temperature=0.9)
@@ -188,8 +191,9 @@ def test_every_finish_reason_leaves_a_complete_record(server):
         assert started["type"] == "request_started" and final["type"] == "request"
         assert started["seq"] < final["seq"]
         assert (final["tenant"], final["app"], final["user"]) == ("bank-a", "mobile", "alice")
-        assert final["messages"] == [{"role": "user", "content": reqs[[r.request_id for r in reqs]
-                                                                      .index(rid)].messages[0].content}]
+        asked = next(r for r in reqs if r.request_id == rid).messages[0].content
+        stored = asked.replace("4111 1111 1111 1111", "4111 11** **** 1111")  # masked
+        assert final["messages"] == started["messages"] == [{"role": "user", "content": stored}]
         assert final["model"] == "SmolLM2-135M-Instruct" and final["policy_version"]
         assert final["delivered"] == text_of(events[rid])
         assert final["usage"]["completion_tokens"] == events[rid][-1].finished.usage.completion_tokens
@@ -264,6 +268,7 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
     try:
         req = tagged("inv-1", "Name one kind of bond.", max_tokens=8)
         first = run_requests(srv.target, [req])["inv-1"]
+        wait_cached(srv, first, req)
         req.request_id = "inv-2"
         assert run_requests(srv.target, [req])["inv-2"][0].started.cache_hit
         (rules / "new.yaml").write_text("rules:\n  - id: x\n    description: d\n    kind: literal\n"
