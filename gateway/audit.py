@@ -151,6 +151,30 @@ class Filters:
 
 
 @dataclass(frozen=True)
+class Cursor:
+    """Where a page of a query starts in its index: at time `score`, past the first `skip`
+    entries of that millisecond; `until` is fixed by the first page."""
+
+    score: int
+    skip: int
+    until: int
+
+    def past(self, score: int) -> Cursor:
+        """The cursor just past an entry at `score` read from here."""
+        return Cursor(score, self.skip + 1 if score == self.score else 1, self.until)
+
+    def token(self) -> str:
+        return f"{self.score}.{self.skip}.{self.until}"
+
+    @classmethod
+    def parse(cls, token: str) -> Cursor | None:
+        parts = token.split(".")
+        if len(parts) != 3 or not all(p.isdigit() and len(p) < 20 for p in parts):
+            return None
+        return cls(*map(int, parts))
+
+
+@dataclass(frozen=True)
 class Head:
     seq: int
     hmac: str
@@ -245,39 +269,42 @@ class AuditLog:
         raw = await self.redis.get(record_key(seq))
         return parse(raw)
 
-    async def query(self, f: Filters, limit: int = 50, offset: int = 0, max_bytes: int = 4 << 20
-                    ) -> tuple[list[dict[str, Any]], int | None]:
+    async def query(self, f: Filters, limit: int = 50, cursor: Cursor | None = None,
+                    max_bytes: int = 4 << 20) -> tuple[list[dict[str, Any]], Cursor | None]:
         """Records matching the filters, oldest first, at most `limit` of them and about
-        `max_bytes` (always at least one); and the offset of the next page."""
-        until = f.until_ms or now_ms()
+        `max_bytes` (always at least one); and where the next page starts (None: done).
+        Each page costs O(log n) in the index, however deep into it the page is."""
+        cur = cursor or Cursor(f.since_ms, 0, f.until_ms or now_ms())
         out: list[dict[str, Any]] = []
         size = 0
-        pos = offset  # entries of the index consumed so far
         while True:
-            seqs = await self.redis.zrangebyscore(f.index(), f.since_ms, until, start=pos, num=FETCH)
-            if not seqs:
+            entries = await self.redis.zrangebyscore(f.index(), cur.score, cur.until, start=cur.skip,
+                                                     num=FETCH, withscores=True)
+            if not entries:
                 return out, None
-            raws = await self.redis.mget([record_key(int(s)) for s in seqs])
-            for k, raw in enumerate(raws):
+            raws = await self.redis.mget([record_key(int(m)) if m.isdigit() else "-" for m, _ in entries])
+            for (_, score), raw in zip(entries, raws, strict=True):
+                after = cur.past(int(score))
                 rec = parse(raw)
-                if rec is None or not f.accepts(rec):
-                    continue
-                if out and size + len(raw) > max_bytes:
-                    return out, pos + k
-                out.append(rec)
-                size += len(raw)
+                if rec is not None and f.accepts(rec):
+                    if out and size + len(raw) > max_bytes:
+                        return out, cur
+                    out.append(rec)
+                    size += len(raw)
+                cur = after
                 if len(out) == limit:
-                    return out, pos + k + 1
-            pos += len(seqs)
+                    return out, cur
 
     async def export(self, f: Filters, page: int = 500, max_bytes: int = 4 << 20
                      ) -> AsyncIterator[list[dict[str, Any]]]:
         """Every matching record, in pages bounded by count and bytes."""
-        offset: int | None = 0
-        while offset is not None:
-            records, offset = await self.query(f, page, offset, max_bytes)
+        cursor: Cursor | None = None
+        while True:
+            records, cursor = await self.query(f, page, cursor, max_bytes)
             if records:
                 yield records
+            if cursor is None:
+                return
 
     async def records(self, first: int, last: int) -> AsyncIterator[tuple[int, bytes | None]]:
         """(seq, stored bytes or None) for every seq from first to last, FETCH at a time."""

@@ -18,7 +18,7 @@ from grpc_status import rpc_status
 from finsieve.v1 import audit_pb2, audit_pb2_grpc
 
 from .anchors import Anchor, AnchorError, read_anchor
-from .audit import AuditLog, Filters, stored
+from .audit import AuditLog, Cursor, Filters, stored
 from .audit_verify import verify
 from .sensitive import canonical_value, value_hash
 
@@ -65,15 +65,15 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
         filters = await self._filters(request, context)
         if not 0 <= request.page_size <= MAX_PAGE:
             await abort_invalid(context, "page_size", f"must be between 1 and {MAX_PAGE} (0 = 50)")
-        offset = 0
+        cursor = None
         if request.page_token:
-            if not request.page_token.isdigit():
+            cursor = Cursor.parse(request.page_token)
+            if cursor is None:
                 await abort_invalid(context, "page_token", "not a token from a previous page")
-            offset = int(request.page_token)
-        records, next_offset = await self.log.query(filters, request.page_size or 50, offset,
-                                                    self.page_bytes)
+        records, following = await self.log.query(filters, request.page_size or 50, cursor,
+                                                  self.page_bytes)
         return audit_pb2.AuditPage(records=[_record(r) for r in records],
-                                   next_page_token="" if next_offset is None else str(next_offset))
+                                   next_page_token=following.token() if following else "")
 
     async def Get(self, request: audit_pb2.AuditGetRequest,
                   context: grpc.aio.ServicerContext) -> audit_pb2.AuditRecord:

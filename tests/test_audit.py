@@ -48,7 +48,7 @@ def test_chain_verifies_and_queries_use_the_indexes(valkey):
         await fill(log, 30)
         by_rule, _ = await log.query(Filters(rule_id="card"), limit=100)
         by_user, next_page = await log.query(Filters(user="u1"), limit=5)
-        rest, _ = await log.query(Filters(user="u1"), limit=100, offset=next_page)
+        rest, _ = await log.query(Filters(user="u1"), limit=100, cursor=next_page)
         return await verify(log), by_rule, by_user + rest
 
     verdict, by_rule, by_user = with_log(valkey, go)

@@ -273,12 +273,13 @@ def test_query_and_export_pages_are_bounded_by_bytes(valkey):
     async def go(log, client):
         for i in range(30):
             await log.append("request", {"request_id": f"r{i}", "delivered": "x" * 1000})
-        first, offset = await log.query(Filters(), limit=100, max_bytes=5000)
+        first, cursor = await log.query(Filters(), limit=100, max_bytes=5000)
+        second, _ = await log.query(Filters(), limit=100, cursor=cursor, max_bytes=5000)
         pages = [page async for page in log.export(Filters(), page=100, max_bytes=5000)]
-        return first, offset, pages
+        return first, second, pages
 
-    first, offset, pages = run(valkey, go)
-    assert 1 < len(first) < 30 and offset == len(first)
+    first, second, pages = run(valkey, go)
+    assert 1 < len(first) < 30 and second[0]["seq"] == len(first) + 1
     assert [r["seq"] for page in pages for r in page] == list(range(1, 31))
     assert all(sum(len(json.dumps(r)) for r in page) <= 5000 * 1.1 for page in pages)
 
@@ -306,3 +307,18 @@ def test_retention_needs_a_verified_chain(valkey, tmp_path: Path):
         return await client.exists(record_key(1))
 
     assert run(valkey, go) == 1  # nothing was deleted behind a checkpoint
+
+
+def test_pages_never_skip_or_repeat_records_of_the_same_millisecond(valkey):
+    async def go(log, client):
+        for i in range(250):
+            await log.append("request", {"request_id": f"r{i}"})
+        seen, cursor = [], None
+        while True:
+            page, cursor = await log.query(Filters(since_ms=0, until_ms=2000), limit=7, cursor=cursor)
+            seen += [r["seq"] for r in page]
+            if cursor is None:
+                return seen
+
+    seen = run(valkey, go, clock_ms=lambda: 1000)  # every record in one millisecond
+    assert sorted(seen) == list(range(1, 251)) and len(seen) == 250
