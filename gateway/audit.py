@@ -226,6 +226,9 @@ class AuditLog:
         try:
             for attempt in itertools.count():
                 head = await self.head()
+                if head.seq < 0:
+                    raise AuditError("audit append refused: the chain head is not readable; run "
+                                     "`finsieve audit verify`")
                 seq, now = head.seq + 1, self.clock_ms()
                 record = {**body, "seq": seq, "prev": head.hmac, "type": kind, "ts_ms": now}
                 record["hmac"] = seal(self.key, record)

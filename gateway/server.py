@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -175,7 +176,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             replay.observe(event)
         trace.audit_id = await self._audit("request", lambda: replay.final_record(hit.record))
 
-    async def _audit(self, kind: str, build) -> int:
+    async def _audit(self, kind: str, build: Callable[[], dict[str, Any]]) -> int:
         """Append a record (built off the event loop: masking scans every message) before
         anything is streamed; fail closed by default. Returns its seq (0: not written)."""
         if self.audit is None:

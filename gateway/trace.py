@@ -36,7 +36,7 @@ class Trace:
     interventions: list[dict[str, Any]] = field(default_factory=list)
     terminal: chat_pb2.ChatServerMessage | None = None
     events: list[chat_pb2.ChatServerMessage] = field(default_factory=list)  # as the client got them
-    _messages: tuple[list[dict[str, str]], set[str]] | None = None
+    _messages: tuple[list[dict[str, str]], set[str]] | None = field(default=None, init=False, repr=False)
 
     def identity(self) -> dict[str, str]:
         return {k: self.request.metadata.get(k, "") for k in IDENTITY}
