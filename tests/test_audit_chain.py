@@ -232,7 +232,8 @@ def test_an_append_waits_for_replicas_when_asked(valkey, tmp_path):
     async def go(log, client):
         await client.config_set("repl-diskless-sync-delay", 0)
         await replicas(client, 1)
-        seq = await log.append("request", {"request_id": "replicated"})
+        patient = AuditLog(client, KEY, wait_replicas=1, wait_timeout_ms=30_000)
+        seq = await patient.append("request", {"request_id": "replicated"})
         replica.kill()
         replica.wait()
         await replicas(client, 0)
