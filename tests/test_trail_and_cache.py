@@ -274,3 +274,16 @@ def test_officers_process_stops_with_the_gateway(tmp_path_factory, shared):
     assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     anchors = (Path(c.log_path).parent / "state" / "anchors" / "gateway.jsonl").read_text().splitlines()
     assert json.loads(anchors[-1])["seq"] > 0  # the last anchor, written at shutdown
+
+
+def test_a_gateway_whose_rules_differ_from_the_engines_never_serves_from_the_cache(
+        tmp_path_factory, shared):
+    other_rules = tmp_path_factory.mktemp("other-rules")  # an empty pack: another version
+    c = gateway(tmp_path_factory, shared, "--rules", str(other_rules))
+    try:
+        first = ask(c.target, "v-1", "What is an annuity?")
+        cached(shared, first, "What is an annuity?")  # stored under the engine's version
+        second = ask(c.target, "v-2", "What is an annuity?")
+    finally:
+        c.stop()
+    assert not second[0].started.cache_hit and text_of(second) == text_of(first)
