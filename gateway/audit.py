@@ -236,15 +236,11 @@ class AuditLog:
                         *(index_key(f, v) for f, v in index_values(record))]
                 args = [head.hmac, seq, stored(record), record["hmac"], now,
                         head_sig(self.key, seq, record["hmac"])]
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    await self._append(keys=keys, args=args, client=pipe)
-                    if self.wait_replicas:
-                        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                    done, *acks = await pipe.execute()
+                done, acks = await self._run_append(keys, args)
                 if done == 1:
-                    if acks and acks[0] < self.wait_replicas:
+                    if acks < self.wait_replicas:
                         raise AuditError(
-                            f"audit record {seq} reached {acks[0]} of {self.wait_replicas} replicas "
+                            f"audit record {seq} reached {acks} of {self.wait_replicas} replicas "
                             f"within {self.wait_timeout_ms} ms (FINSIEVE_AUDIT_WAIT_REPLICAS)")
                     return seq, record["hmac"]
                 if done == -1:
@@ -257,6 +253,18 @@ class AuditLog:
         except (redis.RedisError, OSError) as e:
             raise AuditError(f"audit append failed: {type(e).__name__}: {e}") from None
         raise AuditError("audit append failed: the chain head kept moving (contention)")
+
+    async def _run_append(self, keys: list[str], args: list[Any]) -> tuple[int, int]:
+        """The append script's answer, and how many replicas acknowledged it. WAIT must go on
+        the connection that wrote (a pipeline); without it, one round trip, as a pipeline
+        holding a script asks Redis whether it has the script first."""
+        if not self.wait_replicas:
+            return await self._append(keys=keys, args=args), 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            await self._append(keys=keys, args=args, client=pipe)
+            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            done, acks = await pipe.execute()
+        return done, acks
 
     async def head(self) -> Head:
         seq, mac, sig = await self.redis.hmget(HEAD, "seq", "hmac", "sig")
