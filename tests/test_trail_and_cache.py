@@ -161,6 +161,7 @@ def test_a_cache_entry_is_verified_before_it_is_replayed(gateways, shared):
         tamper()
         question = "Name one kind of stock." if name == "moved" else "Name one kind of bond."
         events = ask(a.target, f"c-{name}-{n}", question)
+        cached(shared, events, question)  # the miss stored a genuine entry again: wait for it
         assert not events[0].started.cache_hit, name
         assert events[-1].WhichOneof("event") == "finished", name
         assert "Guaranteed" not in text_of(events) and text_of(events), name
