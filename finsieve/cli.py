@@ -363,6 +363,7 @@ def _audit_show(args: argparse.Namespace) -> int:
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
+    from finsieve.gateway.audit_service import MAX_ANCHORS
     from finsieve.v1 import audit_pb2
 
     anchors = []
@@ -375,7 +376,7 @@ def _audit_verify(args: argparse.Namespace) -> int:
         # Anchor files hold only anchors; a log archive holds other lines too.
         anchors += [line for line in lines if '"record_hmac"' in line]
     request = audit_pb2.AuditVerifyRequest(since_ms=args.since, until_ms=args.until,
-                                           anchors=anchors[-10_000:])
+                                           anchors=anchors[-MAX_ANCHORS:])
 
     async def call(stub) -> int:
         v = await stub.Verify(request)

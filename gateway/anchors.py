@@ -32,6 +32,10 @@ TAIL_BYTES = 64 * 1024  # the newest anchor of a file is in its last lines
 class AnchorError(ValueError):
     """An anchor that is not signed with this audit key (forged, or another chain's)."""
 
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"{source}: {reason}")
+        self.reason = reason
+
 
 @dataclass(frozen=True)
 class Anchor:
@@ -51,12 +55,12 @@ def signed(key: bytes, seq: int, record_hmac: str, writer: str) -> dict[str, Any
 def read_anchor(key: bytes, obj: Any, source: str) -> Anchor:
     """An anchor from a parsed file or log line. Raises AnchorError if it is not signed."""
     if not isinstance(obj, dict):
-        raise AnchorError(f"{source}: not an anchor")
+        raise AnchorError(source, "not an anchor")
     body = {f: obj.get(f) for f in (*FIELDS, "sig")}
     if not (isinstance(body["seq"], int) and isinstance(body["record_hmac"], str)
             and isinstance(body["ts_ms"], int) and isinstance(body["writer"], str)
             and sealed_ok(derive_key(key, "anchor"), body, "sig")):
-        raise AnchorError(f"{source}: anchor not signed with this audit key")
+        raise AnchorError(source, "anchor not signed with this audit key")
     return Anchor(body["seq"], body["record_hmac"], body["ts_ms"], body["writer"], source)
 
 

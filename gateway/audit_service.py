@@ -93,7 +93,7 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
             try:
                 anchors.append(read_anchor(self.log.key, json.loads(line), f"anchors[{i}]"))
             except AnchorError as e:
-                await abort_invalid(context, f"anchors[{i}]", str(e).split(": ", 1)[1])
+                await abort_invalid(context, f"anchors[{i}]", e.reason)
             except ValueError:
                 await abort_invalid(context, f"anchors[{i}]", "not JSON")
         v = await verify(self.log, request.since_ms, request.until_ms, anchors, self.anchor_dir)

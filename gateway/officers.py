@@ -1,8 +1,8 @@
 """The officers' process: the AuditService on its own listener, event loop, Redis connection
 and a lower CPU priority (`FINSIEVE_AUDIT_NICE`), so that reading, parsing and exporting
 large records never competes with chat streams for the gateway's event loop (nor, with
-the niceness, for the CPU). Retention runs here too. It appends records of its own
-(retention never does; identity will: officer reads) and anchors them in its own file.
+the niceness, for the CPU). Retention runs here too, and records each trim in the trail;
+what this process appends it anchors in its own file.
 
 The gateway starts it with `spawn` and hands it the settings, the Redis URL and the audit
 key on its stdin (never in its environment or arguments); it dies with the gateway.
@@ -134,6 +134,8 @@ async def _retain(audit: AuditLog, days: float) -> None:
         try:
             if trimmed := await audit.trim(int((time.time() - days * 86400) * 1000)):
                 log.info("audit trail trimmed", records=trimmed)
+                await audit.append("admin", {"event": "audit_trimmed", "records": trimmed,
+                                             "retention_days": days})
         except (AuditError, redis.RedisError) as e:
             log.error("audit trim failed", error=str(e))
         await asyncio.sleep(RETENTION_EVERY_S)

@@ -241,6 +241,18 @@ def test_audit_cli_and_service(server):
     with pytest.raises(grpc.aio.AioRpcError) as public:  # never on the apps' port
         audit_stub(server.target, lambda s: s.Query(audit_pb2.AuditQuery()))
     assert public.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    anchors = server.log_path.parent / "state" / "anchors" / "gateway.jsonl"
+    for _ in range(100):  # the gateway anchors its appends within a second
+        if anchors.exists():
+            break
+        time.sleep(0.1)
+    checked = cli("verify", "--anchors", str(anchors))
+    assert checked.returncode == 0 and "newest anchor: record" in checked.stdout
+    forged = json.loads(anchors.read_text().splitlines()[-1])
+    forged["seq"] += 1
+    (server.log_path.parent / "forged.jsonl").write_text(json.dumps(forged) + "\n")
+    refused = cli("verify", "--anchors", str(server.log_path.parent / "forged.jsonl"))
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: anchors[0]: anchor not signed" in refused.stderr
     missing = cli("show", "999999999")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
 
