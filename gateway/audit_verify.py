@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as redis
-
 from .anchors import Anchor, newest
 from .audit import (
     FETCH,
@@ -54,6 +52,21 @@ class Broken(Exception):
         self.seq, self.reason = seq, reason
 
 
+# KEYS: indexes; ARGV: (seq, time) for each. The first index (1-based) that lacks its record
+# (0), holds it at another time (1) or is not a sorted set (2); {0, 0} when all hold theirs.
+# One round trip for a whole chunk of records instead of one per entry.
+_CHECK_INDEXES = """
+for i = 1, #KEYS do
+  local score = redis.pcall('ZSCORE', KEYS[i], ARGV[2 * i - 1])
+  if type(score) == 'table' and score.err then return {i, 2} end
+  if not score then return {i, 0} end
+  if tonumber(score) ~= tonumber(ARGV[2 * i]) then return {i, 1} end
+end
+return {0, 0}
+"""
+SMALL_INDEX = 100  # entries of an index read whole in a pipeline with others
+
+
 def _index_name(key: str) -> str:
     return key.removeprefix(TAG + ":")
 
@@ -68,6 +81,7 @@ class _Walk:
             self.anchors.setdefault(a.seq, []).append(a)
         self.checked = 0
         self._sum_key = derive_key(log.key, "index-sum")
+        self._check = log.redis.register_script(_CHECK_INDEXES)
         self.expected_sum = 0  # of every index entry the records walked call for
 
     def entry_hash(self, key: str, seq: int, score: float) -> int:
@@ -120,18 +134,16 @@ class _Walk:
                     for key in (TIME, *(index_key(f, v) for f, v in index_values(rec)))]
         if not expected:
             return
-        async with self.log.redis.pipeline(transaction=False) as pipe:
-            for key, seq, _ in expected:
-                pipe.zscore(key, seq)
-            scores = await pipe.execute(raise_on_error=False)
-        for (key, seq, ts), score in zip(expected, scores, strict=True):
-            if isinstance(score, Exception):
-                raise Broken(seq, f"record {seq}'s index {_index_name(key)} is not an index (wrong type)")
-            if score is None:
-                raise Broken(seq, f"record {seq} is missing from the index {_index_name(key)}")
-            if score != ts:
-                raise Broken(seq, f"the index {_index_name(key)} holds record {seq} at another time")
-            self.expected_sum = (self.expected_sum + self.entry_hash(key, seq, score)) % 2**64
+        fault, how = await self._check(keys=[k for k, _, _ in expected],
+                                       args=[v for _, seq, ts in expected for v in (seq, ts)])
+        if fault:
+            key, seq, _ = expected[fault - 1]
+            raise Broken(seq, (f"record {seq} is missing from the index {_index_name(key)}",
+                               f"the index {_index_name(key)} holds record {seq} at another time",
+                               f"record {seq}'s index {_index_name(key)} is not an index (wrong type)"
+                               )[how])
+        for key, seq, ts in expected:
+            self.expected_sum = (self.expected_sum + self.entry_hash(key, seq, ts)) % 2**64
         self.checked += len(records)
 
     async def extra_entries(self, first: int, hi: int) -> None:
@@ -164,12 +176,28 @@ class _Walk:
             yield entry
 
     async def _members(self, keys: list[str]):
-        for key in keys:
-            try:
-                async for member, score in self.log.redis.zscan_iter(key, count=1000):
+        """Every (key, seq, score) of these indexes: small ones (most: one per request id)
+        read in one pipelined round trip, large ones scanned in chunks."""
+        r = self.log.redis
+        async with r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.zcard(key)
+            sizes = await pipe.execute(raise_on_error=False)
+        for key, size in zip(keys, sizes, strict=True):
+            if isinstance(size, Exception):
+                raise Broken(0, f"{_index_name(key)} is not an index (wrong type)")
+        small = [k for k, size in zip(keys, sizes, strict=True) if size <= SMALL_INDEX]
+        async with r.pipeline(transaction=False) as pipe:
+            for key in small:
+                pipe.zrange(key, 0, -1, withscores=True)
+            read = await pipe.execute()
+        for key, entries in zip(small, read, strict=True):
+            for member, score in entries:
+                yield key, int(member) if member.isdigit() else None, score
+        for key, size in zip(keys, sizes, strict=True):
+            if size > SMALL_INDEX:
+                async for member, score in r.zscan_iter(key, count=1000):
                     yield key, int(member) if member.isdigit() else None, score
-            except redis.ResponseError:
-                raise Broken(0, f"{_index_name(key)} is not an index (wrong type)") from None
 
     async def _find_extra(self, first: int, hi: int) -> None:
         """The entry with the lowest sequence number that its record does not call for."""
