@@ -88,12 +88,12 @@ class _Walk:
         h = hashlib.blake2b(f"{key}\0{seq}\0{score:.0f}".encode(), key=self._sum_key, digest_size=8)
         return int.from_bytes(h.digest())
 
-    async def records(self, lo: int, hi: int, prev: str, head_seq: int, newest: Anchor | None) -> str:
+    async def records(self, lo: int, hi: int, prev: str, head_seq: int, latest: Anchor | None) -> str:
         """Check records lo..hi; returns the HMAC of the last. Raises Broken at the first fault."""
         chunk: list[dict[str, Any]] = []
         async for seq, raw in self.log.records(lo, hi):
             rec = parse(raw)
-            fault = self._fault(seq, raw, rec, prev, head_seq, newest)
+            fault = self._fault(seq, raw, rec, prev, head_seq, latest)
             if fault is not None:
                 await self._indexes(chunk)
                 raise Broken(seq, fault)
@@ -107,11 +107,11 @@ class _Walk:
         return prev
 
     def _fault(self, seq: int, raw: bytes | None, rec: dict[str, Any] | None, prev: str,
-               head_seq: int, newest: Anchor | None) -> str | None:
+               head_seq: int, latest: Anchor | None) -> str | None:
         if raw is None:
-            if newest is not None and head_seq < seq <= newest.seq:
-                return (f"records {seq} to {newest.seq} are missing: the chain was cut after "
-                        f"record {seq - 1}, but {_written(newest)} shows record {newest.seq}")
+            if latest is not None and head_seq < seq <= latest.seq:
+                return (f"records {seq} to {latest.seq} are missing: the chain was cut after "
+                        f"record {seq - 1}, but {_written(latest)} shows record {latest.seq}")
             return f"record {seq} is missing"
         if rec is None:
             return f"record {seq} was altered: it is not a JSON record"
