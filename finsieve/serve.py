@@ -6,7 +6,6 @@ import asyncio
 import secrets
 import signal
 import threading
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -18,37 +17,26 @@ from finsieve import secretfiles, tls
 from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, SharedSecret, Unauthenticated, roles_for
 from finsieve.client import CredentialError, read_key_file
 from finsieve.config import Settings
-from finsieve.gateway.admin_service import AdminService, key_event
+from finsieve.gateway import officers
+from finsieve.gateway.admin_service import key_event
+from finsieve.gateway.anchors import Anchoring, AnchorWriter
 from finsieve.gateway.audit import AuditError, AuditLog
-from finsieve.gateway.audit_service import AuditService
 from finsieve.gateway.cache import ResponseCache
 from finsieve.gateway.engines import EngineCredentials, EnginePool
-from finsieve.gateway.identity import CertMap, ClientAuthenticator
+from finsieve.gateway.identity import ClientAuthenticator
 from finsieve.gateway.keys import KeyStore
-from finsieve.gateway.limits import Limiter, TenantLimits, load_limits_file
+from finsieve.gateway.limits import tenant_limiter
+from finsieve.gateway.rules import GatewayPolicy, compile_gateway_policy
 from finsieve.gateway.server import GatewayService
 from finsieve.grpc_server import RunningServer, Service, start_server
-from finsieve.policy.reload import PolicyHolder
-from finsieve.v1 import (
-    admin_pb2,
-    admin_pb2_grpc,
-    audit_pb2,
-    audit_pb2_grpc,
-    chat_pb2,
-    chat_pb2_grpc,
-    engine_pb2,
-    engine_pb2_grpc,
-)
+from finsieve.policy.reload import PolicyHolder, RulesWatcher
+from finsieve.v1 import chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
 
-
-def _name(module) -> str:
-    return next(iter(module.DESCRIPTOR.services_by_name.values())).full_name
-
-
-GATEWAY, AUDIT, ADMIN, ENGINE = (_name(m) for m in (chat_pb2, audit_pb2, admin_pb2, engine_pb2))
+GATEWAY = chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+ENGINE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 DEV_TENANT = "default"
 
 
@@ -57,7 +45,7 @@ async def serve(settings: Settings) -> None:
     tls.check_transport(settings)
     secretfiles.private_dir(settings.state_path)
     gateway_side = settings.role in ("all", "gateway")
-    audit_key = secretfiles.audit_key(settings) if gateway_side else b""
+    key = secretfiles.audit_key(settings) if gateway_side else b""
     keys_secret = secretfiles.keys_secret(settings) if gateway_side else b""
     # Role all: the engine is in this process, on loopback; a fresh secret each start.
     engine_secret = (secrets.token_hex(32).encode() if settings.role == "all"
@@ -72,30 +60,41 @@ async def serve(settings: Settings) -> None:
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
         client = None
-        embedded = False
         if gateway_side:
-            # First: valkey-server is forked before gRPC starts its threads.
-            client, embedded = await _start_redis(settings, stack)
+            # First: valkey-server and the officers' process are started before gRPC starts
+            # its threads.
+            client, url, password = await _start_redis(settings, stack)
+            officers_process = officers.spawn(
+                settings, officers.Secrets(url, password, key, keys_secret))
+            stack.callback(officers_process.stop)
         if settings.role in ("all", "engine"):
             address = await _start_engine(settings, engine_secret, stack)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
         if client is not None:
-            audit = AuditLog(client, audit_key)
+            audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
+                             wait_timeout_ms=settings.audit_wait_timeout_ms)
+            anchoring = Anchoring(audit, AnchorWriter(officers.anchor_dir(settings), "gateway", key),
+                                  settings.audit_anchor_interval_s)
+            anchoring.start()
             keys = KeyStore(client, keys_secret, settings.key_cache_s, settings.key_cache_max)
-            if embedded:
+            if not settings.redis_url:
                 await _development_keys(settings, keys, audit)
+            port = await officers_process.ready()
+            log.info("audit and admin services serving", address=f"{settings.audit_host}:{port}")
+            rules = _gateway_rules(settings, key, stack)
             engine_tls = tls.engine_channel_credentials(settings) if settings.role == "gateway" else None
             gateway, running = await _start_gateway(
                 settings, engine_addresses, EngineCredentials(engine_secret, engine_tls), audit,
-                keys, client, stack)
+                keys, client, rules, stack)
             await _admin(audit, {"event": "server_start", "role": settings.role})
-            watch = asyncio.create_task(_watch_admin(gateway.engines, audit, settings))
+            watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
             await stop.wait()
             watch.cancel()
             await running.set_serving(False)  # load balancers stop sending first
             log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
             await gateway.drain(settings.drain_seconds)
             await _admin(audit, {"event": "server_stop", "role": settings.role})
+            await anchoring.stop()
         else:
             await stop.wait()
     log.info("stopped")
@@ -154,8 +153,25 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     return holder
 
 
-async def _start_redis(settings: Settings, stack: AsyncExitStack) -> tuple[redis.Redis, bool]:
-    """A client of the configured Redis, or of an embedded Valkey; and whether it is embedded."""
+def _gateway_rules(settings: Settings, key: bytes,
+                   stack: AsyncExitStack) -> PolicyHolder[GatewayPolicy] | None:
+    """The gateway's own copy of the rules directory the engines load (cache replay check,
+    masking in the trail), hot-reloaded like theirs."""
+    if not settings.rules:
+        return None
+    directory = Path(settings.rules)
+    policy, version = compile_gateway_policy(directory, key)
+    holder = PolicyHolder(policy, version)
+    watcher = RulesWatcher(directory, holder, lambda d: compile_gateway_policy(d, key))
+    watcher.start()
+    stack.callback(watcher.stop)
+    return holder
+
+
+async def _start_redis(settings: Settings,
+                       stack: AsyncExitStack) -> tuple[redis.Redis, str, str | None]:
+    """A client of the configured Redis, or of an embedded Valkey; its URL and the embedded
+    Valkey's password (never part of the URL, so it is never logged with it)."""
     url, password = settings.redis_url, None
     if not url:
         valkey = EmbeddedValkey(settings.state_path / "valkey", settings.appendfsync)
@@ -167,7 +183,7 @@ async def _start_redis(settings: Settings, stack: AsyncExitStack) -> tuple[redis
     client = await connect(url, password=password)
     stack.push_async_callback(client.aclose)
     log.info("redis connected", url=redact(url))
-    return client, not settings.redis_url
+    return client, url, password
 
 
 async def _development_keys(settings: Settings, keys: KeyStore, audit: AuditLog) -> None:
@@ -181,9 +197,9 @@ async def _development_keys(settings: Settings, keys: KeyStore, audit: AuditLog)
             continue
         except (CredentialError, Unauthenticated):
             pass
-        key, info = await keys.create(DEV_TENANT, role, f"development {role} key",
+        new, info = await keys.create(DEV_TENANT, role, f"development {role} key",
                                       all_tenants=role != "app", created_by="serve")
-        secretfiles.write_private(path, key + "\n")
+        secretfiles.write_private(path, new + "\n")
         await _admin(audit, {**key_event("key_created", info), "by": "serve"})
     log.info("development keys ready: for local use only; create real keys with "
              "`finsieve keys create`", directory=str(directory), tenant=DEV_TENANT)
@@ -191,26 +207,22 @@ async def _development_keys(settings: Settings, keys: KeyStore, audit: AuditLog)
 
 async def _start_gateway(
     settings: Settings, engines: list[str], engine_credentials: EngineCredentials,
-    audit: AuditLog, keys: KeyStore, client: redis.Redis, stack: AsyncExitStack,
+    audit: AuditLog, keys: KeyStore, client: redis.Redis,
+    rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
     from finsieve.gateway.validation import Limits
 
-    certs = CertMap.load(Path(settings.client_cert_map)) if settings.client_cert_map else None
-    per_tenant = load_limits_file(Path(settings.limits_file)) if settings.limits_file else {}
-    credentials = tls.server_credentials(settings)
-    auth = ClientAuthenticator(keys, certs)
-    limiter = Limiter(client, TenantLimits(settings.tenant_requests_per_s,
-                                           settings.tenant_tokens_per_min,
-                                           settings.tenant_concurrent_streams),
-                      per_tenant, settings.key_cache_s, settings.key_cache_max)
+    auth = ClientAuthenticator.from_settings(settings, keys)
+    limiter = tenant_limiter(settings, client)
     renew = asyncio.create_task(limiter.renew_leases())
     stack.callback(renew.cancel)
     pool = EnginePool(engines, engine_credentials)
     stack.push_async_callback(pool.close)
-    cache = ResponseCache(client, settings.cache_ttl_s, settings.cache_max_bytes) \
+    cache = ResponseCache(client, audit, settings.cache_ttl_s, settings.cache_max_bytes) \
         if settings.cache_ttl_s > 0 else None
     gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
-                             audit, cache, settings.audit_fail_open, auth, limiter)
+                             audit, cache, settings.audit_fail_open, rules, auth, limiter)
+    credentials = tls.server_credentials(settings)
     running = await start_server(
         f"{settings.host}:{settings.port}",
         [Service(GATEWAY, gateway, chat_pb2_grpc.add_GatewayServicer_to_server)],
@@ -220,16 +232,6 @@ async def _start_gateway(
     stack.push_async_callback(running.server.stop, 1)
     log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines,
              tls=credentials is not None, mtls=bool(settings.tls_client_ca))
-    # Records hold every user's messages: officers get their own listener, loopback by default.
-    officers = await start_server(
-        f"{settings.audit_host}:{settings.audit_port}",
-        [Service(AUDIT, AuditService(audit), audit_pb2_grpc.add_AuditServiceServicer_to_server),
-         Service(ADMIN, AdminService(keys, limiter, audit),
-                 admin_pb2_grpc.add_AdminServiceServicer_to_server)],
-        credentials=credentials,
-        interceptors=[AuthInterceptor(auth, roles_for({AUDIT: "officer", ADMIN: "admin"}))])
-    stack.push_async_callback(officers.server.stop, 1)
-    log.info("audit and admin services serving", address=f"{settings.audit_host}:{officers.port}")
     return gateway, running
 
 
@@ -240,11 +242,9 @@ async def _admin(audit: AuditLog, body: dict) -> None:
         log.error("admin audit event lost", event=body.get("event"), error=str(e))
 
 
-async def _watch_admin(engines: EnginePool, audit: AuditLog, settings: Settings) -> None:
-    """Rule pack loads and rejections (seen through the engines' Info) become admin records;
-    retention trims the trail once an hour."""
+async def _watch_admin(engines: EnginePool, audit: AuditLog) -> None:
+    """Rule pack loads and rejections (seen through the engines' Info) become admin records."""
     seen: dict[str, tuple[int, int]] = {}
-    next_trim = 0.0
     while True:
         for client in engines.clients:
             info = await client.info()
@@ -259,12 +259,4 @@ async def _watch_admin(engines: EnginePool, audit: AuditLog, settings: Settings)
                                      "policy_version": info.policy_version,
                                      "reason": info.last_rejection})
             seen[client.address] = (info.pack_loads, info.pack_rejections)
-        if settings.audit_retention_days > 0 and time.monotonic() >= next_trim:
-            cutoff = int((time.time() - settings.audit_retention_days * 86400) * 1000)
-            try:
-                if trimmed := await audit.trim(cutoff):
-                    log.info("audit trail trimmed", records=trimmed)
-            except (AuditError, redis.RedisError) as e:
-                log.error("audit trim failed", error=str(e))
-            next_trim = time.monotonic() + 3600
         await asyncio.sleep(1.0)

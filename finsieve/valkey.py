@@ -40,12 +40,16 @@ def valkey_binary() -> Path:
     return binary
 
 
+def _die_with_parent() -> None:
+    # Linux: the process gets SIGTERM if finsieve dies, even by SIGKILL: no orphan.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _child_setup() -> None:
     os.umask(0o077)  # data files 0600, directories 0700
     if platform.system() == "Linux":
-        # The server gets SIGTERM if finsieve dies, even by SIGKILL: no orphan.
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        _die_with_parent()
 
 
 class EmbeddedValkey:

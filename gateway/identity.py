@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from finsieve.auth import ROLES, Principal, Unauthenticated, bearer
-from finsieve.config import ConfigError, load_yaml_file
+from finsieve.config import ConfigError, Settings, load_yaml_file
 
 from .keys import MAX_NAME, TENANT_RE, KeyStore
 
@@ -88,6 +88,11 @@ class ClientAuthenticator:
     def __init__(self, keys: KeyStore, certs: CertMap | None = None) -> None:
         self.keys = keys
         self.certs = certs
+
+    @classmethod
+    def from_settings(cls, settings: Settings, keys: KeyStore) -> ClientAuthenticator:
+        return cls(keys, CertMap.load(Path(settings.client_cert_map))
+                   if settings.client_cert_map else None)
 
     async def __call__(self, metadata: Mapping[str, str],
                        auth_context: Mapping[str, list[bytes]]) -> Principal:

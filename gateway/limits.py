@@ -29,7 +29,7 @@ import redis.asyncio as redis
 import structlog
 from prometheus_client import Counter
 
-from finsieve.config import ConfigError, load_yaml_file
+from finsieve.config import ConfigError, Settings, load_yaml_file
 
 from .keys import TENANT_RE
 
@@ -247,3 +247,12 @@ class Limiter:
             LIMIT_ERRORS.inc()
             log.warning("tenant limit not checked: redis failed", error=type(e).__name__)
             return ok
+
+
+def tenant_limiter(settings: Settings, client: redis.Redis) -> Limiter:
+    """The limiter the settings describe (defaults, then the limits file's tenants)."""
+    return Limiter(client, TenantLimits(settings.tenant_requests_per_s,
+                                        settings.tenant_tokens_per_min,
+                                        settings.tenant_concurrent_streams),
+                   load_limits_file(Path(settings.limits_file)) if settings.limits_file else {},
+                   settings.key_cache_s, settings.key_cache_max)

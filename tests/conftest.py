@@ -36,9 +36,14 @@ def free_port() -> int:
 _STATE_DIRS: dict[str, Path] = {}
 
 
+def state_of(target: str) -> Path:
+    """The state directory of the server listening at `target`."""
+    return _STATE_DIRS[target]
+
+
 def dev_key(target: str, role: str = "app") -> str:
     """The development key of `role` that the server at `target` wrote on start."""
-    return (_STATE_DIRS[target] / "keys" / f"{role}.key").read_text().strip()
+    return (state_of(target) / "keys" / f"{role}.key").read_text().strip()
 
 
 @dataclass
@@ -55,15 +60,21 @@ class Server:
     def key(self, role: str) -> str:
         return dev_key(self.target, role)
 
+    def valkey_port(self) -> int:
+        return next(json.loads(line)["port"] for line in self.log().splitlines()
+                    if '"embedded valkey started"' in line)
+
+    def valkey_password(self) -> str:
+        """From the embedded Valkey's 0600 config file: what an operator on the machine can
+        read."""
+        conf = (self.state / "valkey" / "valkey.conf").read_text()
+        return re.search(r"^requirepass (\S+)$", conf, re.M)[1]
+
     def valkey(self):
-        """A client of the server's embedded Valkey (port from the log, password from the
-        0600 config file: what an operator on the machine can do)."""
+        """An asyncio client of the server's embedded Valkey."""
         import redis.asyncio as redis
 
-        port = next(json.loads(line)["port"] for line in self.log().splitlines()
-                    if '"embedded valkey started"' in line)
-        conf = (self.state / "valkey" / "valkey.conf").read_text()
-        return redis.Redis(port=port, password=re.search(r"^requirepass (\S+)$", conf, re.M)[1])
+        return redis.Redis(port=self.valkey_port(), password=self.valkey_password())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.process.poll() is None:
@@ -87,6 +98,17 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
         server.stop(signal.SIGKILL)
         raise RuntimeError(f"server did not come up:\n{server.log()}")
     return server
+
+
+@pytest.fixture
+def valkey(tmp_path: Path):
+    """A real valkey-server of its own (appendfsync always), for one test."""
+    from finsieve.valkey import EmbeddedValkey
+
+    server = EmbeddedValkey(tmp_path / "valkey", appendfsync="always")
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -230,6 +252,48 @@ class ChatStream:
             if is_terminal(event):
                 waiting.discard(event.request_id)
         return {rid: [e for e in self.events if e.request_id == rid] for rid in request_ids}
+
+
+def run_requests(target: str, requests: list, cancel: str = "") -> dict:
+    """Send requests on one stream (cancel one after its first delta); events per request."""
+    async def go():
+        async with ChatStream(target) as s:
+            for r in requests:
+                s.send(r)
+            if cancel:
+                while not any(e.request_id == cancel and e.WhichOneof("event") == "delta"
+                              for e in s.events):
+                    await s.next()
+                s.cancel(cancel)
+            return await s.until_done(*(r.request_id for r in requests))
+    return asyncio.run(go())
+
+
+def tagged(request_id: str, question: str, **kw):
+    """A request from tenant bank-a's mobile app, user alice."""
+    from finsieve.client import chat_request
+
+    req = chat_request(request_id, question, **kw)
+    req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
+    return req
+
+
+def wait_cached(server: Server, events: list, request, tenant: str = "default") -> None:
+    """Wait until the server's embedded Valkey holds the answer's cache entry: the gateway
+    stores it after the client has the answer. The tenant is the caller's (the development
+    keys' by default), never the request's metadata."""
+    import redis
+
+    from finsieve.gateway.cache import cache_key
+
+    started = events[0].started
+    key = cache_key(tenant, started.model, started.policy_version, request)
+    with redis.Redis(port=server.valkey_port(), password=server.valkey_password()) as client:
+        for _ in range(1000):
+            if client.exists(key):
+                return
+            time.sleep(0.01)
+    raise AssertionError("the answer was never cached")
 
 
 def text_of(events: list) -> str:
