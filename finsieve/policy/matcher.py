@@ -18,10 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from prometheus_client import Counter
+
 from .normalize import Normalizer
 from .pack import RuleSet
 from .schema import Rule
 from .validators import VALIDATORS
+
+
+REGEX_TIMEOUTS = Counter("finsieve_regex_timeouts", "Regex searches past the rules' timeout "
+                         "(each counted as a match: fail closed)", ["rule_id"])
 
 
 @dataclass(frozen=True)
@@ -204,16 +210,21 @@ class StreamMatcher:
         r = self.rules.regexes[i]
         n = base + len(window)
         while pos < n:
-            # At the end of the stream a match is what it is: no more partials.
-            m = r.pattern.search(window, pos=pos - base, partial=not final)
-            if m is None:
+            timeout = self.rules.regex_timeout_s
+            try:
+                # At the end of the stream a match is what it is: no more partials.
+                m = r.pattern.search(window, pos=pos - base, partial=not final, timeout=timeout)
+                if m is None:
+                    return
+                s, e = m.start() + base, m.end() + base
+                # `regex` prefers a complete match to a partial one: "15%" is complete in
+                # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
+                growing = not final and (m.partial or r.pattern.fullmatch(
+                    window, pos=s - base, partial=True, timeout=timeout) is not None)
+            except TimeoutError:  # a pattern that backtracks: fail closed, as a match of the rest
+                REGEX_TIMEOUTS.labels(r.rule.id).inc()
+                found.append(self._match(r.rule, pos, n))
                 return
-            s, e = m.start() + base, m.end() + base
-            # `regex` prefers a complete match to a partial one: "15%" is complete in
-            # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
-            growing = not final and (
-                m.partial or r.pattern.fullmatch(window, pos=s - base, partial=True) is not None
-            )
             if growing:
                 # Longer than the rule allows (plus one character that a lookahead or
                 # \b may need to settle it): it never matches.

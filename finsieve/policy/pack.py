@@ -13,6 +13,7 @@ import regex
 
 from .first_chars import first_chars
 from .schema import REGEX_FLAGS, Rule, load_rules
+from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 
@@ -58,8 +59,9 @@ class Literals:
 class RuleSet:
     """The rules of one scope (input or output), compiled for streaming matching."""
 
-    def __init__(self, rules: list[Rule]) -> None:
+    def __init__(self, rules: list[Rule], regex_timeout_s: float = DEFAULT_LIMITS.regex_timeout_s) -> None:
         self.rules = tuple(rules)
+        self.regex_timeout_s = regex_timeout_s  # per search; the matcher fails closed past it
         literals: dict[str, list[Rule]] = {}
         for rule in rules:
             if rule.kind == "literal":
@@ -96,17 +98,17 @@ class RuleSet:
 class Pack:
     """An immutable compiled pack. Holders of an old pack keep it across a reload."""
 
-    def __init__(self, rules: list[Rule], source: str = "") -> None:
+    def __init__(self, rules: list[Rule], source: str = "", limits: PackLimits = DEFAULT_LIMITS) -> None:
         self.rules = tuple(rules)
         self.source = source
         self.version = _version(rules)
-        self.input = RuleSet([r for r in rules if r.applies_to_input])
-        self.output = RuleSet([r for r in rules if r.applies_to_output])
+        self.input = RuleSet([r for r in rules if r.applies_to_input], limits.regex_timeout_s)
+        self.output = RuleSet([r for r in rules if r.applies_to_output], limits.regex_timeout_s)
 
     @classmethod
-    def load(cls, directory: Path) -> Pack:
+    def load(cls, directory: Path, limits: PackLimits = DEFAULT_LIMITS) -> Pack:
         """Load and compile; raises schema.PackError listing every problem."""
-        return cls(load_rules(directory), str(directory))
+        return cls(load_rules(directory, limits), str(directory), limits)
 
     def rule(self, rule_id: str) -> Rule | None:
         return next((r for r in self.rules if r.id == rule_id), None)

@@ -2,6 +2,8 @@
 
 Whoever took the old policy keeps it (requests in flight finish under the version they
 started with); an invalid pack is rejected with its exact reason and the old one stays.
+Whatever a pack does to the compiler (any exception, RecursionError and MemoryError too)
+is a rejection, and the watcher thread keeps watching.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ log = structlog.get_logger(__name__)
 RELOADS = Counter("finsieve_rule_pack_reloads", "Rule pack reloads", ["result"])
 
 T = TypeVar("T")
+
+# A rejection reason is stored (the engine's Info reply, the admin audit record) and logged:
+# bounded, so no pack can make a reply exceed its message limit.
+MAX_REASON_CHARS = 4000
+MAX_LOGGED_PROBLEMS = 50
+RETRY_WATCH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class PolicyHolder(Generic[T]):
         self.loads += 1
 
     def reject(self, reason: str) -> None:
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS] + f"… ({len(reason) - MAX_REASON_CHARS} more characters)"
         self.events.append(AdminEvent("rule_pack_rejected", self.version, reason))
         self.rejections += 1
         self.last_rejection = reason
@@ -82,10 +92,13 @@ class RulesWatcher(Generic[T]):
         try:
             policy, version = self.compile(self.directory)
         except PackError as e:
-            RELOADS.labels("rejected").inc()
-            self.holder.reject(str(e))
-            log.warning("rule pack rejected; the previous one stays in force",
-                        version=self.holder.version, problems=[str(p) for p in e.problems])
+            self._reject(str(e), [str(p) for p in e.problems[:MAX_LOGGED_PROBLEMS]],
+                         len(e.problems))
+            return False
+        except Exception as e:  # a bound the loader missed, or a bug: never the watcher's end
+            log.exception("rule pack could not be compiled")
+            self._reject(f"{self.directory}:0: -: pack: could not be compiled ({type(e).__name__}: "
+                         f"{str(e)[:200]})", [], 1)
             return False
         if version == self.holder.version:
             return False
@@ -94,7 +107,19 @@ class RulesWatcher(Generic[T]):
         log.info("rule pack loaded", version=version)
         return True
 
+    def _reject(self, reason: str, problems: list[str], count: int) -> None:
+        RELOADS.labels("rejected").inc()
+        self.holder.reject(reason)
+        log.warning("rule pack rejected; the previous one stays in force",
+                    version=self.holder.version, problems=problems, count=count)
+
     def _run(self) -> None:
-        for _changes in watchfiles.watch(self.directory, debounce=self.debounce_ms, step=20,
-                                         stop_event=self._stop, raise_interrupt=False):
-            self.reload()
+        while not self._stop.is_set():
+            try:
+                for _changes in watchfiles.watch(self.directory, debounce=self.debounce_ms, step=20,
+                                                 stop_event=self._stop, raise_interrupt=False):
+                    self.reload()
+            except Exception:  # e.g. the directory vanished: watch again when it is back
+                log.exception("rules watcher failed; watching again", directory=str(self.directory))
+                if not self._stop.wait(RETRY_WATCH_S):
+                    self.reload()  # changes made while nothing watched
