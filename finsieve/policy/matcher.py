@@ -25,7 +25,6 @@ from .pack import RuleSet
 from .schema import Rule
 from .validators import VALIDATORS
 
-
 REGEX_TIMEOUTS = Counter("finsieve_regex_timeouts", "Regex searches past the rules' timeout "
                          "(each counted as a match: fail closed)", ["rule_id"])
 
