@@ -20,10 +20,17 @@ from finsieve.gateway.audit import AuditError, AuditLog
 from finsieve.gateway.audit_service import AuditService
 from finsieve.gateway.cache import ResponseCache
 from finsieve.gateway.engines import EnginePool
-from finsieve.gateway.server import GatewayService
-from finsieve.grpc_server import RunningServer, Service, start_server
+from finsieve.gateway.server import Bounds, GatewayService
+from finsieve.grpc_server import (
+    ENGINE_MESSAGE_BYTES,
+    RunningServer,
+    Service,
+    engine_channel_options,
+    server_options,
+    start_server,
+)
 from finsieve.policy.reload import PolicyHolder
-from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
+from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, engine_pb2, engine_pb2_grpc
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
@@ -90,7 +97,8 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
         EngineService(engine, holder),
         engine_pb2_grpc.add_EngineServicer_to_server,
     )
-    running = await start_server(f"{host}:{port}", [service])
+    running = await start_server(f"{host}:{port}", [service],
+                                 server_options(settings, ENGINE_MESSAGE_BYTES, clients=False))
     stack.push_async_callback(running.server.stop, 1)
     log.info("engine serving", address=f"{host}:{running.port}", model=engine.model_name,
              device=str(device), max_batch=engine.max_batch, max_context=engine.max_context)
@@ -102,12 +110,15 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
     from finsieve.policy.reload import RulesWatcher
+    from finsieve.policy.sources import PackLimits
 
     directory, luts = Path(settings.rules), Path(settings.luts)
+    limits = PackLimits(settings.rules_max_bytes, settings.regex_timeout_ms / 1000)
     tokens = TokenTable.load_or_build(token_bytes, luts)
-    policy, version = compile_policy(directory, tokens, luts)
+    policy, version = compile_policy(directory, tokens, luts, limits)
     holder = PolicyHolder(policy, version)
-    watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts))
+    watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts, limits),
+                           settings.rules_debounce_ms)
     watcher.start()
     stack.callback(watcher.stop)
     log.info("rules loaded", version=version, rules=len(policy.pack.rules), directory=str(directory))
@@ -148,17 +159,23 @@ async def _start_gateway(
     settings: Settings, engines: list[str], audit: AuditLog, client: redis.Redis,
     stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
+    from finsieve.gateway.frames import add_gateway_to_server
     from finsieve.gateway.validation import Limits
 
-    pool = EnginePool(engines)
+    pool = EnginePool(engines, settings.engine_connect_timeout_s, engine_channel_options(settings))
+    pool.start()
     stack.push_async_callback(pool.close)
     cache = ResponseCache(client, settings.cache_ttl_s, settings.cache_max_bytes) \
         if settings.cache_ttl_s > 0 else None
-    gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
-                             audit, cache, settings.audit_fail_open)
-    running = await start_server(f"{settings.host}:{settings.port}", [Service(
-        chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
-        chat_pb2_grpc.add_GatewayServicer_to_server)])
+    limits = Limits(settings.max_tokens_limit, settings.max_input_bytes, settings.max_messages)
+    bounds = Bounds(settings.max_in_flight_per_stream, settings.max_in_flight_per_connection,
+                    settings.outbox_max_events, settings.slow_reader_grace_s)
+    gateway = GatewayService(pool, limits, audit, cache, settings.audit_fail_open, bounds)
+    running = await start_server(
+        f"{settings.host}:{settings.port}",
+        [Service(chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
+                 add_gateway_to_server)],
+        server_options(settings, settings.max_message_bytes), settings.max_streams)
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)
     log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines)

@@ -75,7 +75,7 @@ def index_values(record: dict[str, Any]) -> list[tuple[str, str]]:
     values = [(f, str(record[f])) for f in ("tenant", "user", "finish_reason", "request_id")
               if record.get(f)]
     for i in record.get("interventions", []):
-        values += [("rule_id", i["rule_id"]), ("action", i["action"])]
+        values += [(f, i[f]) for f in ("rule_id", "action") if i.get(f)]  # proto JSON omits ""
     return sorted(set(values))
 
 

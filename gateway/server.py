@@ -3,6 +3,12 @@
 Each Chat stream multiplexes many requests by the client's request_id. The gateway gives
 each one an internal id for the engine and maps events back. On SIGTERM it drains: new
 requests are refused, requests in flight may finish until the deadline, then streams end.
+
+What one client can cost is bounded (README "Bounds"): requests in flight per stream and per
+connection, events waiting for it (a client that stops reading is ended after a grace
+period), cancels (only the first for a live request reaches the engine). When a stream
+ends for any reason (the client left, its deadline passed, it was ended), every request
+still on it is cancelled at the engine and audited as CANCELLED.
 """
 
 from __future__ import annotations
@@ -14,33 +20,53 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from prometheus_client import Counter
 
-from finsieve.errors import RequestError, invalid
+from finsieve.errors import RequestError, error_event, invalid
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 from .audit import AuditError, AuditLog
 from .cache import ResponseCache, cache_key
 from .engines import TERMINAL, EngineClient, EnginePool
+from .frames import BadFrame
 from .outbox import Outbox
 from .trace import Trace
 from .validation import Limits, validate
 
 log = structlog.get_logger(__name__)
 
+CANCELS = Counter("finsieve_gateway_cancels", "Cancels from clients: forwarded to the engine, or "
+                  "dropped (unknown, finished or already cancelled)", ["outcome"])
+STREAMS_ENDED = Counter("finsieve_streams_ended", "Chat streams the gateway ended", ["reason"])
+RETRY_AFTER_MS = 1000  # hint with RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Per-client bounds (Settings: max_in_flight_per_stream, …)."""
+
+    max_in_flight_per_stream: int = 64
+    max_in_flight_per_connection: int = 256
+    outbox_max_events: int = 1024
+    slow_reader_grace_s: float = 30.0
+
 
 @dataclass(eq=False)
 class _InFlight:
     internal_id: str
     engine: EngineClient | None = None  # set once the engine accepted it
+    cancelled: bool = False  # a cancel was asked for (sent once the engine has it)
 
 
 @dataclass(eq=False)
 class _Stream:
     """One client's Chat stream: its outbox and its requests in flight by client id."""
 
-    out: Outbox = field(default_factory=Outbox)
+    peer: str
+    out: Outbox
     in_flight: dict[str, _InFlight] = field(default_factory=dict)
     reading_done: bool = False
+    closed: bool = False
 
     def close_if_idle(self, draining: bool) -> None:
         if (self.reading_done or draining) and not self.in_flight:
@@ -49,70 +75,131 @@ class _Stream:
 
 class GatewayService(chat_pb2_grpc.GatewayServicer):
     def __init__(self, engines: EnginePool, limits: Limits, audit: AuditLog | None = None,
-                 cache: ResponseCache | None = None, audit_fail_open: bool = False) -> None:
+                 cache: ResponseCache | None = None, audit_fail_open: bool = False,
+                 bounds: Bounds | None = None) -> None:
         self.engines = engines
         self.limits = limits
         self.audit = audit
         self.cache = cache
         self.audit_fail_open = audit_fail_open
+        self.bounds = bounds or Bounds()
         self.draining = False
         self._streams: set[_Stream] = set()
-        self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores
+        self._per_peer: dict[str, int] = {}  # requests in flight per client connection
+        self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores, cancels
 
     async def Chat(
         self,
-        request_iterator: AsyncIterator[chat_pb2.ChatClientMessage],
+        request_iterator: AsyncIterator[chat_pb2.ChatClientMessage | BadFrame],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[chat_pb2.ChatServerMessage]:
-        stream = _Stream()
+    ) -> None:
+        stream = _Stream(context.peer(), Outbox(self.bounds.outbox_max_events))
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
-            while True:
-                for msg in await stream.out.take():
-                    if msg is None:
-                        return
-                    yield msg
+            await self._write(stream, context)
         finally:
+            # No await here: this also runs when the call was cancelled (client gone, deadline).
+            stream.closed = True
             reader.cancel()
             self._streams.discard(stream)
-            for flight in stream.in_flight.values():
-                if flight.engine is not None:
-                    await flight.engine.cancel(flight.internal_id)
+            if stream.in_flight:
+                self._in_background(self._cancel_all(list(stream.in_flight.values())))
+
+    async def _write(self, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
+        """Send the outbox until the stream's end; end a client that stops reading."""
+        grace = self.bounds.slow_reader_grace_s
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await stream.out.take()
+            if stream.out.overflowed:
+                await self._end(context, "overflow", f"more than {stream.out.max_events} events "
+                                "waited for this client: it reads too slowly")
+            try:
+                async with asyncio.timeout(None) as timer:
+                    for msg in batch:
+                        if msg is None:
+                            return
+                        timer.reschedule(loop.time() + grace)  # gRPC flow control: blocks if unread
+                        await context.write(msg)
+            except TimeoutError:
+                await self._end(context, "slow_reader", f"the client read nothing for {grace:g} s")
+
+    async def _end(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
+        STREAMS_ENDED.labels(reason).inc()
+        log.warning("chat stream ended", reason=reason)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def _read(
-        self, requests: AsyncIterator[chat_pb2.ChatClientMessage], stream: _Stream
+        self, requests: AsyncIterator[chat_pb2.ChatClientMessage | BadFrame], stream: _Stream
     ) -> None:
         try:
             async for msg in requests:
-                if msg.WhichOneof("msg") == "cancel":
-                    flight = stream.in_flight.get(msg.cancel.request_id)
-                    if flight is not None and flight.engine is not None:
-                        await flight.engine.cancel(flight.internal_id)
+                if isinstance(msg, BadFrame):
+                    stream.out.put(error_event(msg.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                               f"{msg.field or 'frame'}: {msg.reason}", msg.field))
+                elif msg.WhichOneof("msg") == "cancel":
+                    await self._cancel(stream, msg.cancel.request_id)
                 elif msg.WhichOneof("msg") == "request":
                     await self._start(msg.request, stream)
+                else:
+                    stream.out.put(invalid("msg", "a message carries a request or a cancel").to_event(""))
         except grpc.aio.AioRpcError:
             pass  # the client went away; Chat's finally cancels its requests
         stream.reading_done = True
         stream.close_if_idle(self.draining)
 
+    async def _cancel(self, stream: _Stream, client_id: str) -> None:
+        flight = stream.in_flight.get(client_id)
+        if flight is None or flight.cancelled:  # unknown, finished or already cancelled
+            CANCELS.labels("dropped").inc()
+            return
+        flight.cancelled = True
+        CANCELS.labels("forwarded").inc()
+        if flight.engine is not None:  # else _submit sends it once the engine has the request
+            await flight.engine.cancel(flight.internal_id)
+
+    async def _cancel_all(self, flights: list[_InFlight]) -> None:
+        for flight in flights:
+            if not flight.cancelled:
+                flight.cancelled = True
+                if flight.engine is not None:
+                    await flight.engine.cancel(flight.internal_id)
+
+    def _admit(self, req: chat_pb2.ChatRequest, stream: _Stream) -> None:
+        """Raise RequestError unless this request may start now."""
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry elsewhere")
+        validate(req, self.limits)
+        if req.request_id in stream.in_flight:
+            raise invalid("request_id", "a request with this id is already in flight on this stream")
+        b = self.bounds
+        if len(stream.in_flight) >= b.max_in_flight_per_stream:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{b.max_in_flight_per_stream} requests are already in flight on this "
+                               "stream (FINSIEVE_MAX_IN_FLIGHT_PER_STREAM)", retry_after_ms=RETRY_AFTER_MS)
+        if self._per_peer.get(stream.peer, 0) >= b.max_in_flight_per_connection:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{b.max_in_flight_per_connection} requests are already in flight on "
+                               "this connection (FINSIEVE_MAX_IN_FLIGHT_PER_CONNECTION)",
+                               retry_after_ms=RETRY_AFTER_MS)
+
     async def _start(self, req: chat_pb2.ChatRequest, stream: _Stream) -> None:
-        client_id = req.request_id
         try:
-            if self.draining:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry elsewhere"
-                )
-            validate(req, self.limits)
-            if client_id in stream.in_flight:
-                raise invalid("request_id", "a request with this id is already in flight on this stream")
+            self._admit(req, stream)
         except RequestError as e:
-            stream.out.put(e.to_event(client_id))
+            stream.out.put(e.to_event(req.request_id))
             return
         flight = _InFlight(self.engines.new_id())
-        stream.in_flight[client_id] = flight
+        stream.in_flight[req.request_id] = flight
+        self._per_peer[stream.peer] = self._per_peer.get(stream.peer, 0) + 1
+        # Shielded: if the stream ends meanwhile, the submission still completes (and is then
+        # cancelled), so no request is left generating for nobody.
+        await asyncio.shield(self._submit(req, stream, flight))
+
+    async def _submit(self, req: chat_pb2.ChatRequest, stream: _Stream, flight: _InFlight) -> None:
+        client_id = req.request_id
         trace = Trace(req)
-        key = await self._cache_key(req, trace)
 
         def relay(event: chat_pb2.ChatServerMessage) -> None:
             event.request_id = client_id
@@ -122,26 +209,50 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             trace.events.append(event)
             stream.out.put(event)
             if event.WhichOneof("event") in TERMINAL:
-                stream.in_flight.pop(client_id, None)
+                if stream.in_flight.get(client_id) is flight:
+                    del stream.in_flight[client_id]
+                self._release(stream.peer)
                 _log_outcome(event, trace.started)
                 self._in_background(self._complete(trace, key))
                 stream.close_if_idle(self.draining)
 
-        if key is not None and self.cache is not None and (hit := await self.cache.get(key)):
-            trace.cache_hit = True
-            for event in hit:
-                if event.HasField("started"):
-                    event.started.cache_hit = True
-                relay(event)
-            return
+        key = None
         try:
+            key = await self._cache_key(req, trace)
+            if key is not None and self.cache is not None and (hit := await self.cache.get(key)):
+                trace.cache_hit = True
+                for event in hit:
+                    if event.HasField("started"):
+                        event.started.cache_hit = True
+                    relay(event)
+                return
+            if flight.cancelled or stream.closed:  # gone before it reached an engine
+                relay(chat_pb2.ChatServerMessage(finished=chat_pb2.Finished(
+                    finish_reason=chat_pb2.FINISH_REASON_CANCELLED)))
+                return
             await self._audit_started(trace)
             internal = chat_pb2.ChatRequest()
             internal.CopyFrom(req)
+            internal.DiscardUnknownFields()  # only what the contract names reaches an engine
             internal.request_id = flight.internal_id
             flight.engine = await self.engines.submit(internal, relay)
         except RequestError as e:
             relay(e.to_event(client_id))
+            return
+        except Exception:  # fail this request, never the stream
+            log.exception("request failed in the gateway")
+            relay(error_event(client_id, grpc.StatusCode.INTERNAL, "the gateway failed this request"))
+            return
+        if flight.cancelled or stream.closed:
+            flight.cancelled = True
+            await flight.engine.cancel(flight.internal_id)
+
+    def _release(self, peer: str) -> None:
+        left = self._per_peer.get(peer, 0) - 1
+        if left > 0:
+            self._per_peer[peer] = left
+        else:
+            self._per_peer.pop(peer, None)
 
     async def _cache_key(self, req: chat_pb2.ChatRequest, trace: Trace) -> str | None:
         """The cache key under the model and policy version in force now, if cacheable."""
