@@ -11,6 +11,7 @@ is up yet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable
 
@@ -41,6 +42,7 @@ class EngineClient:
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time
         self._task: asyncio.Task[None] | None = None
         self.probed = asyncio.Event()  # the first connection attempt has an outcome
+        self.down = False  # marked down (logged once), until the next connection
         self.down_reason = "not connected yet"
         # What a request submitted now would run under, as the engine last said on its stream.
         self.status: engine_pb2.EngineStatus | None = None
@@ -100,28 +102,37 @@ class EngineClient:
         await self._channel.close()
 
     async def _keep_connected(self) -> None:
-        was_up = True  # the first failure is logged too
+        loop = asyncio.get_running_loop()
         while True:
-            try:
-                await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout)
-            except TimeoutError:
-                self._mark_down(f"it is unreachable (no connection within {self._connect_timeout:g} s)",
-                                was_up)
-                was_up = False
-                continue
+            await self._until_ready(loop)
             call = self._stub.Generate()
-            self._call = call
+            self._call, self.down = call, False
             self.probed.set()
             log.info("engine up", engine=self.address)
-            reason = await self._read(call)
-            self._mark_down(reason, True)
-            was_up = False
+            self._mark_down(await self._read(call))
             await asyncio.sleep(RECONNECT_PAUSE_S)
 
-    def _mark_down(self, reason: str, log_it: bool) -> None:
+    async def _until_ready(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait for a connection, marking the engine down as soon as it refuses one or does
+        not answer within the connect timeout (gRPC keeps retrying with backoff meanwhile)."""
+        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        deadline = loop.time() + self._connect_timeout
+        state = self._channel.get_state(try_to_connect=True)
+        while state != ready:
+            if state == failed:
+                self._mark_down("it refused or dropped the connection")
+            elif loop.time() >= deadline:
+                self._mark_down(f"it is unreachable (no connection within {self._connect_timeout:g} s)")
+            wait = None if self.down else deadline - loop.time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._channel.wait_for_state_change(state), wait)
+            state = self._channel.get_state(try_to_connect=True)
+
+    def _mark_down(self, reason: str) -> None:
         self.down_reason = reason
         self.probed.set()
-        if log_it:
+        if not self.down:  # once per outage
+            self.down = True
             log.warning("engine marked down; probing it in the background", engine=self.address,
                         reason=reason)
 

@@ -11,6 +11,7 @@ audited: the gateway records every event before it is queued here).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from finsieve.v1 import chat_pb2
 
@@ -21,6 +22,7 @@ class Outbox:
     def __init__(self, max_events: int = 1024) -> None:
         self.max_events = max_events
         self.overflowed = False
+        self.on_overflow: Callable[[], None] | None = None  # the writer ends the stream now
         self._items: list[Event | None] = []  # None: the stream ends here
         self._open: dict[str, int] = {}  # request id -> its delta in _items that may still grow
         self._copied: set[int] = set()  # merged deltas: our own copies, safe to extend
@@ -41,6 +43,8 @@ class Outbox:
             self.overflowed = True
             self._items.clear()
             self._open.clear()
+            if self.on_overflow is not None:
+                self.on_overflow()
         else:
             self._items.append(event)
         self._ready.set()

@@ -107,23 +107,27 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 self._in_background(self._cancel_all(list(stream.in_flight.values())))
 
     async def _write(self, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
-        """Send the outbox until the stream's end; end a client that stops reading."""
+        """Send the outbox until the stream's end. A write blocks while the client does not
+        read (gRPC flow control): past the grace period, or when the outbox overflows, the
+        stream is ended."""
         grace = self.bounds.slow_reader_grace_s
         loop = asyncio.get_running_loop()
-        while True:
-            batch = await stream.out.take()
-            if stream.out.overflowed:
-                await self._end(context, "overflow", f"more than {stream.out.max_events} events "
-                                "waited for this client: it reads too slowly")
-            try:
-                async with asyncio.timeout(None) as timer:
+        try:
+            async with asyncio.timeout(None) as timer:
+                stream.out.on_overflow = lambda: timer.reschedule(loop.time())
+                while True:
+                    batch = await stream.out.take()
                     for msg in batch:
                         if msg is None:
                             return
-                        timer.reschedule(loop.time() + grace)  # gRPC flow control: blocks if unread
+                        timer.reschedule(loop.time() + grace)
                         await context.write(msg)
-            except TimeoutError:
-                await self._end(context, "slow_reader", f"the client read nothing for {grace:g} s")
+                    timer.reschedule(None)
+        except TimeoutError:
+            if stream.out.overflowed:
+                await self._end(context, "overflow", f"more than {stream.out.max_events} events "
+                                "waited for this client: it reads too slowly")
+            await self._end(context, "slow_reader", f"the client read nothing for {grace:g} s")
 
     async def _end(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
         STREAMS_ENDED.labels(reason).inc()

@@ -178,3 +178,77 @@ def text_of(events: list) -> str:
 
 def kinds(events: list) -> list[str]:
     return [e.WhichOneof("event") for e in events]
+
+
+# -- a server with small bounds, for hostile clients and rule packs ----------------------
+
+CANARY = """\
+rules:
+  - id: canary
+    description: an input rule that proves which pack is in force
+    kind: literal
+    patterns: [canary phrase]
+    scope: input
+    action: halt
+"""
+
+# Small enough that tests reach every bound cheaply; see the README's table for each.
+TIGHT_ENV = {
+    "FINSIEVE_MAX_INPUT_BYTES": "16384",
+    "FINSIEVE_MAX_MESSAGES": "16",
+    "FINSIEVE_MAX_MESSAGE_BYTES": "131072",
+    "FINSIEVE_MAX_IN_FLIGHT_PER_STREAM": "4",
+    "FINSIEVE_MAX_IN_FLIGHT_PER_CONNECTION": "6",
+    "FINSIEVE_MAX_STREAMS": "24",
+    "FINSIEVE_OUTBOX_MAX_EVENTS": "64",
+    "FINSIEVE_SLOW_READER_GRACE_S": "2",
+    "FINSIEVE_RULES_DEBOUNCE_MS": "20",
+    "FINSIEVE_RULES_MAX_BYTES": "1048576",
+    "FINSIEVE_CACHE_TTL_S": "0",  # every request reaches the engine
+}
+
+
+@dataclass
+class TightServer:
+    server: Server
+    rules: Path  # its rules directory: tests write packs here
+    metrics_url: str
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    def engine_target(self) -> str:
+        import json
+
+        for line in self.server.log().splitlines():
+            if '"engine serving"' in line:
+                return json.loads(line)["address"]
+        raise AssertionError("no engine address in the log")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A counter's value from the server's Prometheus endpoint (0 if not yet counted)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+
+@pytest.fixture(scope="session")
+def tight_server(tmp_path_factory: pytest.TempPathFactory,
+                 default_model_dir: Path) -> Iterator[TightServer]:
+    tmp = tmp_path_factory.mktemp("tight")
+    rules = tmp / "rules"
+    rules.mkdir()
+    (rules / "canary.yaml").write_text(CANARY)
+    metrics = free_port()
+    srv = start_server(tmp, "--model", str(default_model_dir), "--rules", str(rules),
+                       "--luts", str(tmp / "luts"), "--metrics-port", str(metrics), env=TIGHT_ENV)
+    yield TightServer(srv, rules, f"http://127.0.0.1:{metrics}/metrics")
+    srv.stop()

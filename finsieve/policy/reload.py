@@ -8,6 +8,7 @@ is a rejection, and the watcher thread keeps watching.
 
 from __future__ import annotations
 
+import stat
 import threading
 import time
 from collections import deque
@@ -114,12 +115,31 @@ class RulesWatcher(Generic[T]):
                     version=self.holder.version, problems=problems, count=count)
 
     def _run(self) -> None:
+        resumed = False
         while not self._stop.is_set():
+            identity = _identity(self.directory)
+            if identity is None:  # not there (yet): look again shortly
+                self._stop.wait(RETRY_WATCH_S)
+                continue
+            if resumed:
+                self.reload()  # what changed while nothing watched
+            resumed = True
             try:
                 for _changes in watchfiles.watch(self.directory, debounce=self.debounce_ms, step=20,
                                                  stop_event=self._stop, raise_interrupt=False):
                     self.reload()
-            except Exception:  # e.g. the directory vanished: watch again when it is back
+                    if _identity(self.directory) != identity:
+                        break  # deleted or replaced: watch what is there now
+                else:
+                    return  # stopped
+            except Exception:
                 log.exception("rules watcher failed; watching again", directory=str(self.directory))
-                if not self._stop.wait(RETRY_WATCH_S):
-                    self.reload()  # changes made while nothing watched
+                self._stop.wait(RETRY_WATCH_S)
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    try:
+        st = directory.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
