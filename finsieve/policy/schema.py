@@ -288,7 +288,7 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
         widths = []
         for p in patterns:
             expanded, why = definitions.expand(p)
-            why = why or _regex_too_big(expanded)
+            why = why or _regex_too_deep(expanded)
             if why:
                 problem("patterns", f"{_show(p)} {why}")
                 continue
@@ -372,10 +372,8 @@ class _Definitions:
         return ""
 
 
-def _regex_too_big(pattern: str) -> str:
-    """Why a regex is refused before compiling (size, group nesting), or ""."""
-    if len(pattern) > MAX_REGEX_CHARS:
-        return f"is {len(pattern)} characters long once expanded (at most {MAX_REGEX_CHARS})"
+def _regex_too_deep(pattern: str) -> str:
+    """Why a regex is refused before compiling (its groups nest too deep), or ""."""
     depth = deepest = 0
     escaped = in_class = False
     for ch in pattern:
