@@ -7,6 +7,7 @@ costs one comparison. Every bound is in the README ("Bounds").
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from finsieve.errors import invalid
@@ -23,6 +24,11 @@ MAX_METADATA_CHARS = 256
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 1000
+
+
+def _float32(x: float) -> float:
+    """x as the wire carries it: a client's 0.01 arrives as 0.0099999998, and is allowed."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ def _validate_params(p: chat_pb2.SamplingParams, limits: Limits) -> None:
     if not 0 <= p.max_tokens <= limits.max_tokens:
         raise invalid("params.max_tokens", f"must be between 1 and {limits.max_tokens} (0 = default)")
     t = p.temperature
-    if not (math.isfinite(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE)):
+    if not (math.isfinite(t) and (t == 0 or _float32(MIN_TEMPERATURE) <= t <= MAX_TEMPERATURE)):
         raise invalid("params.temperature",
                       f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}")
     if not (math.isfinite(p.top_p) and 0 <= p.top_p <= 1):

@@ -13,9 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
-from finsieve.client import wait_ready
+from finsieve.client import chat_request, wait_ready
+from finsieve.policy.pack import Pack
+from finsieve.policy.schema import PackError
+from finsieve.policy.sources import PackLimits
+from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 # The converted default model is prepared once by `make setup` and shared by all tests.
@@ -252,3 +257,88 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory,
                        "--luts", str(tmp / "luts"), "--metrics-port", str(metrics), env=TIGHT_ENV)
     yield TightServer(srv, rules, f"http://127.0.0.1:{metrics}/metrics")
     srv.stop()
+
+
+class RawStream:
+    """A Chat call that sends raw bytes, as a hostile client can."""
+
+    def __init__(self, target: str, options: list | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=options)
+        self._frames: asyncio.Queue[bytes | None] = asyncio.Queue()
+        chat = self.channel.stream_stream("/finsieve.v1.Gateway/Chat", request_serializer=lambda b: b,
+                                          response_deserializer=chat_pb2.ChatServerMessage.FromString)
+        self.call = chat(self._send())
+
+    async def _send(self):
+        while (frame := await self._frames.get()) is not None:
+            yield frame
+
+    def close_writes(self) -> None:
+        self._frames.put_nowait(None)
+
+    def send(self, frame: bytes | chat_pb2.ChatRequest) -> None:
+        if isinstance(frame, chat_pb2.ChatRequest):
+            frame = chat_pb2.ChatClientMessage(request=frame).SerializeToString()
+        self._frames.put_nowait(frame)
+
+    async def terminals(self, n: int, timeout: float = 300) -> list[chat_pb2.ChatServerMessage]:
+        out = []
+        while len(out) < n:
+            e = await asyncio.wait_for(self.call.read(), timeout)
+            assert e is not grpc.aio.EOF, out
+            if e.WhichOneof("event") in ("finished", "error"):
+                out.append(e)
+        return out
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await self.channel.close()
+
+
+async def engine_info(tight_server) -> engine_pb2.EngineInfo:
+    async with grpc.aio.insecure_channel(tight_server.engine_target()) as ch:
+        return await engine_pb2_grpc.EngineStub(ch).Info(engine_pb2.InfoRequest(), timeout=30)
+
+
+def wait_for(condition, timeout: float = 30.0, every: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(every)
+    return False
+
+
+TIGHT_LIMITS = PackLimits(max_bytes=int(TIGHT_ENV["FINSIEVE_RULES_MAX_BYTES"]))
+
+
+def apply(tight_server: TightServer, change) -> engine_pb2.EngineInfo:
+    """Change the running server's rules directory and wait until its engine shows the outcome
+    the same loader gives here: the new version in force, or one more rejection."""
+    before = asyncio.run(engine_info(tight_server))
+    change()
+    try:
+        expected = Pack.load(tight_server.rules, TIGHT_LIMITS).version
+    except PackError:
+        expected = None
+
+    def seen() -> bool:
+        info = asyncio.run(engine_info(tight_server))
+        if expected is None:
+            return info.pack_rejections > before.pack_rejections
+        return info.policy_version == expected
+
+    assert wait_for(seen, 60)
+    return asyncio.run(engine_info(tight_server))
+
+
+def canary_halts(tight_server) -> bool:
+    """The input rule in canary.yaml is in force: a message containing it is not decoded."""
+    async def go():
+        async with ChatStream(tight_server.target) as s:
+            s.send(chat_request("canary", "say: canary phrase", max_tokens=2))
+            return (await s.until_done("canary"))["canary"]
+
+    events = asyncio.run(go())
+    return (events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER
+            and any(e.policy_event.rule_id == "canary" for e in events))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import grpc
 import pytest
@@ -20,22 +19,13 @@ from finsieve.gateway.audit import AuditLog, Filters
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import ChatStream, free_port, kinds, start_server, text_of
+from conftest import ChatStream, RawStream, free_port, kinds, start_server, text_of, wait_for
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 LONG = 1000  # max_tokens of a request that is still generating when the test acts on it
 # A client's receive window this small makes the server's writes block after a few KB.
 SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0)]
-
-
-def wait_until(condition, timeout: float = 120.0, every: float = 0.1) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(every)
-    return False
 
 
 def final_record(audit_target: str, request_id: str) -> dict | None:
@@ -68,39 +58,6 @@ def frame_of_size(size: int) -> bytes:
             if len(data) == size:
                 return data
     raise AssertionError(f"no frame of {size} bytes")
-
-
-class RawStream:
-    """A Chat call that sends raw bytes, as a hostile client can."""
-
-    def __init__(self, target: str, options: list | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=options)
-        self._frames: asyncio.Queue[bytes | None] = asyncio.Queue()
-        chat = self.channel.stream_stream("/finsieve.v1.Gateway/Chat", request_serializer=lambda b: b,
-                                          response_deserializer=chat_pb2.ChatServerMessage.FromString)
-        self.call = chat(self._send())
-
-    async def _send(self):
-        while (frame := await self._frames.get()) is not None:
-            yield frame
-
-    def send(self, frame: bytes | chat_pb2.ChatRequest) -> None:
-        if isinstance(frame, chat_pb2.ChatRequest):
-            frame = chat_pb2.ChatClientMessage(request=frame).SerializeToString()
-        self._frames.put_nowait(frame)
-
-    async def terminals(self, n: int, timeout: float = 300) -> list[chat_pb2.ChatServerMessage]:
-        out = []
-        while len(out) < n:
-            e = await asyncio.wait_for(self.call.read(), timeout)
-            assert e is not grpc.aio.EOF, out
-            if e.WhichOneof("event") in ("finished", "error"):
-                out.append(e)
-        return out
-
-    async def close(self) -> None:
-        self.call.cancel()
-        await self.channel.close()
 
 
 # -- validation at the edge ----------------------------------------------------------------
@@ -273,8 +230,8 @@ def test_a_client_that_stops_reading_is_ended_and_its_request_cancelled(tight_se
             s.send(chat_request(f"bad{n}", "x", temperature=-1))
         # It reads nothing: after the grace period (2 s) the gateway ends the stream.
         assert await asyncio.to_thread(
-            wait_until, lambda: tight_server.metric("finsieve_streams_ended_total",
-                                                    reason="slow_reader") > ended)
+            wait_for, lambda: tight_server.metric("finsieve_streams_ended_total",
+                                                  reason="slow_reader") > ended, 120, 0.1)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await s.terminals(100)
         await s.close()
@@ -282,7 +239,7 @@ def test_a_client_that_stops_reading_is_ended_and_its_request_cancelled(tight_se
 
     err = asyncio.run(go())
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "read nothing" in err.details()
-    assert wait_until(lambda: final_record(tight_server.server.audit_target, "slow-long"))
+    assert wait_for(lambda: final_record(tight_server.server.audit_target, "slow-long"), 120, 0.2)
     record = final_record(tight_server.server.audit_target, "slow-long")
     assert record["finish_reason"] == "CANCELLED"
     assert record["usage"]["completion_tokens"] < LONG
@@ -296,8 +253,8 @@ def test_an_overflowing_outbox_ends_the_stream_at_once(tight_server):
         for n in range(300):  # far more errors than the 64 events a stream may hold
             s.send(chat_request(f"bad{n}", "x", temperature=-1))
         assert await asyncio.to_thread(
-            wait_until, lambda: tight_server.metric("finsieve_streams_ended_total",
-                                                    reason="overflow") > ended)
+            wait_for, lambda: tight_server.metric("finsieve_streams_ended_total",
+                                                  reason="overflow") > ended, 120, 0.1)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await s.terminals(300)
         await s.close()
@@ -327,8 +284,8 @@ def test_cancel_storms_reach_the_engine_once(tight_server):
     done, after = asyncio.run(go())
     assert done[-1].finished.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     assert kinds(after)[-1] == "finished" and text_of(after)
-    assert wait_until(lambda: tight_server.metric("finsieve_gateway_cancels_total",
-                                                  outcome="dropped") == dropped + 9999)
+    assert wait_for(lambda: tight_server.metric("finsieve_gateway_cancels_total",
+                                                outcome="dropped") == dropped + 9999, 120, 0.1)
     assert tight_server.metric("finsieve_gateway_cancels_total", outcome="forwarded") == forwarded + 1
 
 
@@ -349,7 +306,7 @@ def test_a_client_that_disconnects_has_every_request_cancelled_and_audited(tight
 
     asyncio.run(go())
     audit = tight_server.server.audit_target
-    assert wait_until(lambda: all(final_record(audit, rid) for rid in ids))
+    assert wait_for(lambda: all(final_record(audit, rid) for rid in ids), 120, 0.2)
     for rid in ids:
         record = final_record(audit, rid)
         assert record["finish_reason"] == "CANCELLED", record
@@ -378,7 +335,7 @@ def test_a_passed_deadline_cancels_the_requests_at_the_engine(tight_server):
 
     assert asyncio.run(go()) == grpc.StatusCode.DEADLINE_EXCEEDED
     audit = tight_server.server.audit_target
-    assert wait_until(lambda: all(final_record(audit, rid) for rid in ids))
+    assert wait_for(lambda: all(final_record(audit, rid) for rid in ids), 120, 0.2)
     assert {final_record(audit, rid)["finish_reason"] for rid in ids} == {"CANCELLED"}
 
 
@@ -423,7 +380,7 @@ def test_engines_that_do_not_answer_are_marked_down_once_and_serialize_nothing(t
                        for ln in lines)
 
         assert len(asyncio.run(wave("a"))) == 8
-        assert wait_until(lambda: marked_down() > 0, timeout=60)
+        assert wait_for(lambda: marked_down() > 0, timeout=60)
         assert len(asyncio.run(wave("b"))) == 8
         assert marked_down() == 1
     finally:

@@ -15,7 +15,6 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import grpc
 import pytest
 
 from finsieve.client import chat_request
@@ -24,9 +23,9 @@ from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
 from finsieve.policy.schema import PackError
 from finsieve.policy.sources import PackLimits
-from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
+from finsieve.v1 import chat_pb2
 
-from conftest import ChatStream, kinds
+from conftest import ChatStream, apply, canary_halts, engine_info, kinds, wait_for
 
 RULE = """\
   - id: {id}
@@ -47,15 +46,6 @@ def rejected(directory: Path, limits: PackLimits | None = None) -> list[str]:
     with pytest.raises(PackError) as err:
         Pack.load(directory, limits or PackLimits())
     return [str(p).replace(f"{directory}/", "") for p in err.value.problems]
-
-
-def wait_for(condition, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 # -- bounded parsing ---------------------------------------------------------------------------
@@ -289,34 +279,6 @@ def test_a_regex_that_does_not_time_out_matches_as_before(tmp_path):
 # -- through a running server -----------------------------------------------------------------------
 
 
-async def engine_info(tight_server) -> engine_pb2.EngineInfo:
-    async with grpc.aio.insecure_channel(tight_server.engine_target()) as ch:
-        return await engine_pb2_grpc.EngineStub(ch).Info(engine_pb2.InfoRequest(), timeout=30)
-
-
-TIGHT_LIMITS = PackLimits(max_bytes=1048576)  # conftest.TIGHT_ENV's FINSIEVE_RULES_MAX_BYTES
-
-
-def apply(tight_server, change) -> engine_pb2.EngineInfo:
-    """Change the running server's rules directory and wait until its engine shows the outcome
-    the same loader gives here: the new version in force, or one more rejection."""
-    before = asyncio.run(engine_info(tight_server))
-    change()
-    try:
-        expected = Pack.load(tight_server.rules, TIGHT_LIMITS).version
-    except PackError:
-        expected = None
-
-    def seen() -> bool:
-        info = asyncio.run(engine_info(tight_server))
-        if expected is None:
-            return info.pack_rejections > before.pack_rejections
-        return info.policy_version == expected
-
-    assert wait_for(seen, 60)
-    return asyncio.run(engine_info(tight_server))
-
-
 @contextlib.contextmanager
 def pack_file(tight_server, name: str, text: str):
     path = tight_server.rules / name
@@ -324,18 +286,6 @@ def pack_file(tight_server, name: str, text: str):
         yield apply(tight_server, lambda: path.write_text(text))
     finally:
         apply(tight_server, path.unlink)
-
-
-def canary_halts(tight_server) -> bool:
-    """The input rule in canary.yaml is in force: a message containing it is not decoded."""
-    async def go():
-        async with ChatStream(tight_server.target) as s:
-            s.send(chat_request("canary", "say: canary phrase", max_tokens=2))
-            return (await s.until_done("canary"))["canary"]
-
-    events = asyncio.run(go())
-    return (events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER
-            and any(e.policy_event.rule_id == "canary" for e in events))
 
 
 def test_a_backtracking_input_rule_fails_closed_on_a_running_server(tight_server):
