@@ -27,6 +27,7 @@ class Outbox:
         self._open: dict[str, int] = {}  # request id -> its delta in _items that may still grow
         self._copied: set[int] = set()  # merged deltas: our own copies, safe to extend
         self._ready = asyncio.Event()
+        self._taken = asyncio.Event()
 
     def put(self, event: Event | None) -> None:
         if self.overflowed:
@@ -55,7 +56,15 @@ class Outbox:
         items = self._items
         self._items, self._open, self._copied = [], {}, set()
         self._ready.clear()
+        self._taken.set()
         return items
+
+    async def room(self) -> None:
+        """Wait while half the bound is waiting: the stream's reader calls this before each
+        client message, so a client's own requests (and their errors) cannot overflow it."""
+        while len(self._items) >= self.max_events // 2 and not self.overflowed:
+            self._taken.clear()
+            await self._taken.wait()
 
     def _merge(self, i: int, event: Event) -> None:
         if i not in self._copied:  # the original may also be held for the cache and audit

@@ -139,6 +139,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
     ) -> None:
         try:
             async for msg in requests:
+                await stream.out.room()  # backpressure: gRPC flow control then slows the client
                 if isinstance(msg, BadFrame):
                     stream.out.put(error_event(msg.request_id, grpc.StatusCode.INVALID_ARGUMENT,
                                                f"{msg.field or 'frame'}: {msg.reason}", msg.field))

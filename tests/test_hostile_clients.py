@@ -245,23 +245,31 @@ def test_a_client_that_stops_reading_is_ended_and_its_request_cancelled(tight_se
     assert record["usage"]["completion_tokens"] < LONG
 
 
-def test_an_overflowing_outbox_ends_the_stream_at_once(tight_server):
-    ended = tight_server.metric("finsieve_streams_ended_total", reason="overflow")
+def test_a_flood_from_a_client_that_does_not_read_is_held_back_not_buffered(tight_server):
+    """The stream's reader stops taking its messages while half the outbox bound (32 events)
+    waits: the flood waits in gRPC's flow control, on the client's side; nothing overflows,
+    and the grace period ends the stream."""
+    overflowed = tight_server.metric("finsieve_streams_ended_total", reason="overflow")
+    ended = tight_server.metric("finsieve_streams_ended_total", reason="slow_reader")
 
     async def go():
         s = RawStream(tight_server.target, SMALL_WINDOW)
-        for n in range(300):  # far more errors than the 64 events a stream may hold
+        for n in range(3000):
             s.send(chat_request(f"bad{n}", "x", temperature=-1))
         assert await asyncio.to_thread(
             wait_for, lambda: tight_server.metric("finsieve_streams_ended_total",
-                                                  reason="overflow") > ended, 120, 0.1)
+                                                  reason="slow_reader") > ended, 120, 0.1)
+        got = []
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await s.terminals(300)
+            while True:
+                got.append(await asyncio.wait_for(s.call.read(), 60))
         await s.close()
-        return err.value
+        return err.value, len(got)
 
-    err = asyncio.run(go())
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "more than 64 events" in err.details()
+    err, answered = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "read nothing" in err.details()
+    assert answered < 200  # what the window and the outbox held, not the 3,000 sent
+    assert tight_server.metric("finsieve_streams_ended_total", reason="overflow") == overflowed
 
 
 def test_cancel_storms_reach_the_engine_once(tight_server):
