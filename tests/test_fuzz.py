@@ -67,7 +67,7 @@ small = st.sampled_from(["Hi.", "Say hi.", "2+2?", "Name a color."])
 
 
 def _base(rid: str, draw) -> chat_pb2.ChatRequest:
-    req = chat_request(rid, draw(small), max_tokens=draw(st.sampled_from([1, 2])))
+    req = chat_request(rid, draw(small), max_tokens=1)
     p = req.params
     if draw(st.booleans()):
         p.temperature = draw(st.integers(1, 200)) / 100
@@ -80,12 +80,13 @@ def _base(rid: str, draw) -> chat_pb2.ChatRequest:
 def _perturb(req: chat_pb2.ChatRequest, draw) -> str:
     """Change one field, at or beyond its limit; what the gateway must say ("ok" or a field)."""
     p = req.params
+    # Mostly flaws (refused cheaply); values exactly at a limit are served (and cost a prefill).
     kind = draw(st.sampled_from([
-        "id_empty", "id_long", "id_max", "no_messages", "many_messages", "max_messages", "role",
-        "content_over", "content_max", "max_tokens", "temperature_low", "temperature_bad",
-        "temperature_edge", "top_p", "top_k", "top_k_max", "stops", "stop_empty", "stop_long",
-        "stops_max", "metadata_many", "metadata_key", "metadata_value", "metadata_max", "text",
-    ]))
+        "id_empty", "id_long", "no_messages", "many_messages", "role", "content_over",
+        "max_tokens", "temperature_low", "temperature_bad", "top_p", "top_k", "stops",
+        "stop_empty", "stop_long", "metadata_many", "metadata_key", "metadata_value", "text",
+    ] * 3 + ["id_max", "max_messages", "content_max", "temperature_edge", "top_k_max", "stops_max",
+             "metadata_max"]))
     if kind == "id_empty":
         req.request_id = ""
         return "field:request_id"
@@ -161,7 +162,8 @@ def _perturb(req: chat_pb2.ChatRequest, draw) -> str:
 
 @st.composite
 def cases(draw, rid: str) -> Case:
-    kind = draw(st.sampled_from(["valid"] + ["perturbed"] * 16 + ["raw", "bad_utf8", "duplicate"]))
+    kind = draw(st.sampled_from(["valid"] + ["perturbed"] * 30 + ["raw"] * 3 + ["bad_utf8"] * 2
+                                + ["duplicate"]))
     if kind == "raw":  # anything at all: what it parses to decides the id
         frame = draw(st.binary(max_size=64))
         parsed = parse_client_message(frame)
@@ -186,17 +188,18 @@ def cases(draw, rid: str) -> Case:
 
 @st.composite
 def batches(draw) -> tuple[list[Case], list[str], bool]:
-    n = draw(st.integers(50, 60))
+    n = draw(st.integers(100, 110))
     items = [draw(cases(f"q{i}")) for i in range(n)]
     # At most one frame beyond the limit, last: it ends the call.
     kept = [c for c in items if not c.ends_call]
-    if len(kept) < len(items) and draw(st.booleans()):
+    if len(kept) < len(items) and draw(st.integers(0, 9)) == 5:
         kept.append(next(c for c in items if c.ends_call))
     cancels = draw(st.lists(st.sampled_from([f"q{i}" for i in range(n)] + ["dup", "nobody", ""]),
                             max_size=8))
-    if draw(st.integers(0, 9)) == 0:
+    # Hypothesis starts from the simplest values (0): the rare events are a value in the middle.
+    if draw(st.integers(0, 9)) == 5:
         cancels += [draw(st.sampled_from(["q0", "q1", "nobody"]))] * 200  # a storm
-    disconnect = draw(st.integers(0, 9)) == 0
+    disconnect = draw(st.integers(0, 19)) == 10
     return kept, cancels, disconnect
 
 
@@ -278,11 +281,11 @@ async def _run_batch(s: RawStream, items: list[Case], cancels: list[str], discon
         code = await s.call.code()
     except grpc.aio.AioRpcError as err:
         code = err.code()
-    assert got == want, f"missing: {want - got}"
-    if any(c.ends_call for c in items):
+    if any(c.ends_call for c in items):  # gRPC ends the call on it: what was pending is lost
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         tally.counts["oversized frames"] += 1
     else:
+        assert got == want, f"missing: {want - got}"
         assert code == grpc.StatusCode.OK
 
 
@@ -315,7 +318,7 @@ def fuzz_requests(tight_server, examples: int) -> Tally:
 
 @pytest.mark.timeout(900)
 def test_fuzz_chat_requests(tight_server):
-    tally = fuzz_requests(tight_server, int(os.environ.get("FUZZ_N", 200)))
+    tally = fuzz_requests(tight_server, int(os.environ.get("FUZZ_N", 100)))
     print(f"fuzzed requests: {tally}")
     assert tally.counts["requests"] >= 10_000
 
@@ -323,7 +326,7 @@ def test_fuzz_chat_requests(tight_server):
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_fuzz_chat_requests_more(tight_server):
-    tally = fuzz_requests(tight_server, 2000)
+    tally = fuzz_requests(tight_server, 1000)
     print(f"fuzzed requests: {tally}")
     assert tally.counts["requests"] >= 100_000
 
@@ -456,7 +459,7 @@ def fuzz_packs(tight_server, examples: int) -> Tally:
 
 @pytest.mark.timeout(900)
 def test_fuzz_rule_packs(tight_server):
-    tally = fuzz_packs(tight_server, 100)
+    tally = fuzz_packs(tight_server, int(os.environ.get("FUZZ_N", 100)))
     print(f"fuzzed packs: {tally}")
     assert tally.counts["packs"] >= 1000
 
