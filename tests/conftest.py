@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -223,6 +224,7 @@ class TightServer:
     def target(self) -> str:
         return self.server.target
 
+    @functools.cached_property
     def engine_target(self) -> str:
         import json
 
@@ -230,6 +232,13 @@ class TightServer:
             if '"engine serving"' in line:
                 return json.loads(line)["address"]
         raise AssertionError("no engine address in the log")
+
+    @functools.cached_property
+    def _engine(self) -> engine_pb2_grpc.EngineStub:
+        return engine_pb2_grpc.EngineStub(grpc.insecure_channel(self.engine_target))
+
+    def engine_info(self) -> engine_pb2.EngineInfo:
+        return self._engine.Info(engine_pb2.InfoRequest(), timeout=30)
 
     def metric(self, name: str, **labels: str) -> float:
         """A counter's value from the server's Prometheus endpoint (0 if not yet counted)."""
@@ -295,11 +304,6 @@ class RawStream:
         await self.channel.close()
 
 
-async def engine_info(tight_server) -> engine_pb2.EngineInfo:
-    async with grpc.aio.insecure_channel(tight_server.engine_target()) as ch:
-        return await engine_pb2_grpc.EngineStub(ch).Info(engine_pb2.InfoRequest(), timeout=30)
-
-
 def wait_for(condition, timeout: float = 30.0, every: float = 0.02) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -315,7 +319,7 @@ TIGHT_LIMITS = PackLimits(max_bytes=int(TIGHT_ENV["FINSIEVE_RULES_MAX_BYTES"]))
 def apply(tight_server: TightServer, change) -> engine_pb2.EngineInfo:
     """Change the running server's rules directory and wait until its engine shows the outcome
     the same loader gives here: the new version in force, or one more rejection."""
-    before = asyncio.run(engine_info(tight_server))
+    before = tight_server.engine_info()
     change()
     try:
         expected = Pack.load(tight_server.rules, TIGHT_LIMITS).version
@@ -323,13 +327,13 @@ def apply(tight_server: TightServer, change) -> engine_pb2.EngineInfo:
         expected = None
 
     def seen() -> bool:
-        info = asyncio.run(engine_info(tight_server))
+        info = tight_server.engine_info()
         if expected is None:
             return info.pack_rejections > before.pack_rejections
         return info.policy_version == expected
 
     assert wait_for(seen, 60)
-    return asyncio.run(engine_info(tight_server))
+    return tight_server.engine_info()
 
 
 def canary_halts(tight_server) -> bool:

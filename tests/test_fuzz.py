@@ -37,7 +37,7 @@ from finsieve.policy.reload import MAX_REASON_CHARS
 from finsieve.policy.schema import PackError
 from finsieve.v1 import chat_pb2
 
-from conftest import TIGHT_ENV, TIGHT_LIMITS, ChatStream, RawStream, apply, canary_halts, engine_info
+from conftest import TIGHT_ENV, TIGHT_LIMITS, ChatStream, RawStream, apply, canary_halts
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -425,14 +425,14 @@ def place(rules: Path, kind: str, text: str = "") -> None:
 def fuzz_packs(tight_server, examples: int) -> Tally:
     tally = Tally()
     rules = tight_server.rules
-    base = asyncio.run(engine_info(tight_server)).policy_version
+    base = tight_server.engine_info().policy_version
     reference = asyncio.run(reference_answer(tight_server.target))
 
     @settings(max_examples=examples, **SETTINGS)
     @given(st.lists(packs(), min_size=10, max_size=10))
     def one(batch):
         for kind, text in batch:
-            before = asyncio.run(engine_info(tight_server))
+            before = tight_server.engine_info()
             info = apply(tight_server, lambda kind=kind, text=text: place(rules, kind, text))
             try:
                 Pack.load(rules, TIGHT_LIMITS)

@@ -357,7 +357,7 @@ def test_engines_that_do_not_answer_are_marked_down_once_and_serialize_nothing(t
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     dead = f"127.0.0.1:{free_port()}"  # refuses connections
-    engines = [f"127.0.0.1:{silent.getsockname()[1]}", dead, tight_server.engine_target()]
+    engines = [f"127.0.0.1:{silent.getsockname()[1]}", dead, tight_server.engine_target]
     gateway = start_server(tmp_path, "--role", "gateway", *(a for e in engines for a in ("--engine", e)),
                            env={"FINSIEVE_ENGINE_CONNECT_TIMEOUT_S": "60", "FINSIEVE_CACHE_TTL_S": "0"})
     try:

@@ -25,7 +25,7 @@ from finsieve.policy.schema import PackError
 from finsieve.policy.sources import PackLimits
 from finsieve.v1 import chat_pb2
 
-from conftest import ChatStream, apply, canary_halts, engine_info, kinds, wait_for
+from conftest import ChatStream, apply, canary_halts, kinds, wait_for
 
 RULE = """\
   - id: {id}
@@ -124,6 +124,12 @@ def test_regex_size_and_nesting_are_bounded(tmp_path, pattern, why):
     problems = rejected(tmp_path)
     assert len(problems) == 1 and problems[0].startswith("re.yaml:5: r1: patterns: ")
     assert why in problems[0] and len(problems[0]) < 600
+
+
+def test_control_characters_are_a_problem_with_a_line(tmp_path):
+    """Found by the pack fuzzer: YAML's reader refuses them before parsing starts."""
+    (tmp_path / "a.yaml").write_text(rule() + "# \x05\n")
+    assert rejected(tmp_path) == ["a.yaml:7: -: yaml: not valid YAML: character U+0005 is not allowed"]
 
 
 def test_values_quoted_in_problems_are_shortened(tmp_path):
@@ -311,7 +317,7 @@ def test_a_backtracking_input_rule_fails_closed_on_a_running_server(tight_server
 def test_rejections_keep_the_pack_in_force_and_the_info_reply_small(tight_server):
     """Old: a rejection reason quoting a 9 MB pattern made the engine's Info reply exceed
     the message limit; deep YAML killed the watcher, so later edits were never loaded."""
-    version = asyncio.run(engine_info(tight_server)).policy_version
+    version = tight_server.engine_info().policy_version
     huge = rule("huge", "'(" + "a" * 9_000_000 + "'", kind="regex", extra="    max_span: 10\n")
     with pack_file(tight_server, "huge.yaml", huge) as info:
         assert info.policy_version == version

@@ -127,16 +127,20 @@ def compose(text: str, name: str, max_weight: int) -> yaml.Node | None:
     """The document's node graph (aliases shared, not copied). Raises SourceProblem when it
     is not YAML, too deep, or would expand (aliases followed) past max_weight: one per node
     plus one per character of every scalar."""
-    loader = _BoundedLoader(text)
     try:
-        doc = loader.get_single_node()
+        loader = _BoundedLoader(text)  # its reader refuses control characters at once
+        try:
+            doc = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.reader.ReaderError as e:
+        raise SourceProblem(name, text.count("\n", 0, e.position) + 1, "yaml",
+                            f"not valid YAML: character U+{e.character:04X} is not allowed") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         reason = f"{getattr(e, 'problem', None) or e}"
         raise SourceProblem(name, mark.line + 1 if mark else 0, "yaml",
                             f"not valid YAML: {reason}") from None
-    finally:
-        loader.dispose()
     if doc is not None:
         _Expansion(name, max_weight).measure(doc)
     return doc
