@@ -165,9 +165,10 @@ def _load_pack(directory: Path):
     """The compiled pack, or None after printing every problem (`file:line: id: field: why`)."""
     from finsieve.policy.pack import Pack
     from finsieve.policy.schema import PackError
+    from finsieve.policy.sources import PackLimits
 
-    try:
-        return Pack.load(directory)
+    try:  # the same bounds as the server (FINSIEVE_RULES_MAX_BYTES, …)
+        return Pack.load(directory, PackLimits.of(Settings.load()))
     except PackError as e:
         for problem in e.problems:
             print(problem, file=sys.stderr)

@@ -113,7 +113,7 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     from finsieve.policy.sources import PackLimits
 
     directory, luts = Path(settings.rules), Path(settings.luts)
-    limits = PackLimits(settings.rules_max_bytes, settings.regex_timeout_ms / 1000)
+    limits = PackLimits.of(settings)
     tokens = TokenTable.load_or_build(token_bytes, luts)
     policy, version = compile_policy(directory, tokens, luts, limits)
     holder = PolicyHolder(policy, version)

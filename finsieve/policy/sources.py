@@ -12,8 +12,12 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from finsieve.config import Settings
 
 MAX_FILES = 1000
 MAX_YAML_DEPTH = 32  # mappings and sequences inside each other, aliases followed
@@ -25,6 +29,10 @@ class PackLimits:
 
     max_bytes: int = 4 * 1024 * 1024  # all files of the pack together
     regex_timeout_s: float = 0.02  # one regex search in the matcher; expiry counts as a match
+
+    @classmethod
+    def of(cls, settings: Settings) -> PackLimits:
+        return cls(settings.rules_max_bytes, settings.regex_timeout_ms / 1000)
 
 
 DEFAULT_LIMITS = PackLimits()
