@@ -271,12 +271,12 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory,
 class RawStream:
     """A Chat call that sends raw bytes, as a hostile client can."""
 
-    def __init__(self, target: str, options: list | None = None) -> None:
+    def __init__(self, target: str, options: list | None = None, timeout: float | None = None) -> None:
         self.channel = grpc.aio.insecure_channel(target, options=options)
         self._frames: asyncio.Queue[bytes | None] = asyncio.Queue()
         chat = self.channel.stream_stream("/finsieve.v1.Gateway/Chat", request_serializer=lambda b: b,
                                           response_deserializer=chat_pb2.ChatServerMessage.FromString)
-        self.call = chat(self._send())
+        self.call = chat(self._send(), timeout=timeout)
 
     async def _send(self):
         while (frame := await self._frames.get()) is not None:

@@ -325,21 +325,13 @@ def test_a_passed_deadline_cancels_the_requests_at_the_engine(tight_server):
     ids = [f"late{n}" for n in range(3)]
 
     async def go():
-        async with grpc.aio.insecure_channel(tight_server.target) as channel:
-            q: asyncio.Queue = asyncio.Queue()
-
-            async def feed():
-                while (m := await q.get()) is not None:
-                    yield m
-
-            call = chat_pb2_grpc.GatewayStub(channel).Chat(feed(), timeout=5)
-            for rid in ids:
-                q.put_nowait(chat_pb2.ChatClientMessage(
-                    request=chat_request(rid, "Describe the bond market in detail.", max_tokens=LONG)))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                while True:
-                    await call.read()
-            return err.value.code()
+        s = RawStream(tight_server.target, timeout=5)
+        for rid in ids:
+            s.send(chat_request(rid, "Describe the bond market in detail.", max_tokens=LONG))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await s.terminals(len(ids) + 1)
+        await s.close()
+        return err.value.code()
 
     assert asyncio.run(go()) == grpc.StatusCode.DEADLINE_EXCEEDED
     audit = tight_server.server.audit_target
@@ -362,25 +354,12 @@ def test_engines_that_do_not_answer_are_marked_down_once_and_serialize_nothing(t
                            env={"FINSIEVE_ENGINE_CONNECT_TIMEOUT_S": "60", "FINSIEVE_CACHE_TTL_S": "0"})
     try:
         async def wave(tag: str):
-            async with grpc.aio.insecure_channel(gateway.target) as channel:
-                q: asyncio.Queue = asyncio.Queue()
-
-                async def feed():
-                    while (m := await q.get()) is not None:
-                        yield m
-
-                call = chat_pb2_grpc.GatewayStub(channel).Chat(feed(), timeout=30)
-                for n in range(8):
-                    q.put_nowait(chat_pb2.ChatClientMessage(
-                        request=chat_request(f"{tag}{n}", "Say hello.", max_tokens=2)))
-                finished = []
-                while len(finished) < 8:
-                    e = await call.read()
-                    assert e.WhichOneof("event") != "error", e
-                    if e.WhichOneof("event") == "finished":
-                        finished.append(e)
-                q.put_nowait(None)
-                return finished
+            s = RawStream(gateway.target, timeout=30)
+            for n in range(8):
+                s.send(chat_request(f"{tag}{n}", "Say hello.", max_tokens=2))
+            done = await s.terminals(8)
+            await s.close()
+            return [e for e in done if e.WhichOneof("event") == "finished"]
 
         def marked_down() -> int:
             lines = [json.loads(ln) for ln in gateway.log().splitlines() if ln.startswith("{")]
