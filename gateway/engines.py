@@ -149,7 +149,10 @@ class EngineClient:
                         continue
                     if event.WhichOneof("event") in TERMINAL:
                         del self._handlers[event.request_id]
-                    handler(event)
+                    try:
+                        handler(event)
+                    except Exception:  # one request's fault never ends the shared stream
+                        log.exception("relaying an engine event failed", engine=self.address)
         except grpc.aio.AioRpcError as e:
             reason = f"lost the stream to it ({_status(e)})"
         except asyncio.CancelledError:

@@ -29,6 +29,11 @@ class Outbox:
         self._ready = asyncio.Event()
         self._taken = asyncio.Event()
 
+    def close(self) -> None:
+        """The stream is over: what still arrives (requests being cancelled) is dropped."""
+        self.overflowed, self.on_overflow = True, None
+        self._items.clear()
+
     def put(self, event: Event | None) -> None:
         if self.overflowed:
             return

@@ -101,6 +101,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         finally:
             # No await here: this also runs when the call was cancelled (client gone, deadline).
             stream.closed = True
+            stream.out.close()
             reader.cancel()
             self._streams.discard(stream)
             if stream.in_flight:
