@@ -120,7 +120,7 @@ class EngineClient:
         state = self._channel.get_state(try_to_connect=True)
         while state != ready:
             if state == failed:
-                self._mark_down("it refused or dropped the connection")
+                self._mark_down("it is unreachable (it refused or dropped the connection)")
             elif loop.time() >= deadline:
                 self._mark_down(f"it is unreachable (no connection within {self._connect_timeout:g} s)")
             wait = None if self.down else deadline - loop.time()
