@@ -204,12 +204,11 @@ class EnginePool:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "no engine available: " + "; ".join(errors),
                            retry_after_ms=RETRY_AFTER_MS)
 
-    async def info(self) -> engine_pb2.EngineInfo | None:
-        """What the engine a request would go to runs now (model, policy version)."""
-        for client in sorted((c for c in self.clients if c.up), key=lambda c: c.in_flight):
-            if (info := await client.info()) is not None:
-                return info
-        return None
+    def status(self) -> engine_pb2.EngineStatus | None:
+        """What a request submitted now would run under, as the engine it would go to last
+        said on its stream (None before an engine's stream is open)."""
+        up = [c for c in self.clients if c.up]
+        return min(up, key=lambda c: c.in_flight).status if up else None
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
