@@ -16,6 +16,7 @@ import redis.asyncio as redis
 
 from finsieve.client import chat_request
 from finsieve.gateway.audit import AuditLog, Filters
+from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc
 from finsieve.valkey import EmbeddedValkey
 
@@ -392,7 +393,7 @@ def test_an_intervention_without_a_rule_id_keeps_its_audit_record(tmp_path):
                                          "interventions": [{"action": "halt",
                                                             "message": "no allowed continuation"}]})
             found, _ = await log.query(Filters(action="halt"), limit=10)
-            return found, await log.verify()
+            return found, await verify(log)
         finally:
             await client.aclose()
 
