@@ -218,8 +218,6 @@ class LLMEngine:
                     self.scheduler.add(item)
                 except RequestError as e:
                     out.add(item, e.to_event(item.request_id))
-                    continue
-                item.bans = item.guard.banned()
 
     def _launch(self, rows: list[Row], out: Outbox) -> _InFlight | None:
         now = time.perf_counter()
@@ -239,10 +237,14 @@ class LLMEngine:
     def _step_row(self, row: Row) -> StepRow:
         seq, s = row.seq, row.seq.sampling
         position = row.start + max(len(row.tokens), 1)  # of the token this row samples
-        masks = seq.guard.policy.masks
-        # An optimistic row's exact bans depend on the token it follows, not checked yet:
-        # it runs under the policy's base bans and is checked against the exact ones after.
-        bans = seq.bans if not row.optimistic else masks.always_banned if masks else []
+        if row.optimistic:
+            # Its exact bans depend on the token it follows, not checked yet: it runs under
+            # the policy's base bans, and its token is checked against the exact ones after.
+            bans = _base_bans(seq)
+        else:
+            if seq.bans is None:
+                seq.bans = seq.guard.banned()
+            bans = seq.bans
         return StepRow(seq.slot, row.start, row.tokens, seq.pending_row, row.sample,
                        s.temperature, s.top_k, s.top_p,
                        0 if s.greedy else noise_key(seq.noise_seed, position), bans)
@@ -287,11 +289,15 @@ class LLMEngine:
         if token < 0:  # every token banned: nothing left to say that the rules allow
             self._halt(seq, Decision(Verdict.HALT), out)
             return
-        if _contains(seq.bans, token):  # an optimistic row's mask was not the exact one
-            LATE_REPAIRS.inc(1 + seq.ahead)
-            seq.redo()
-            return
-        if seq.attempts == 0 and _contains(seq.bans, first) and (stopped := guard.masked(first)):
+        bans = seq.bans
+        if bans is None:  # an optimistic row, masked by the base bans only
+            masks = guard.policy.masks
+            if masks is not None and masks.is_banned(guard.matcher, token):
+                self._redo(seq, wasted=1)  # the exact mask bans it: decode this position again
+                return
+            bans = _base_bans(seq)
+        if seq.attempts == 0 and first != token and _contains(bans, first) \
+                and (stopped := guard.masked(first)):
             out.add(seq, events.policy(seq, stopped))  # the mask steered it
         eos = token in self.eos_ids
         decision = guard.finish() if eos else guard.check(token)
@@ -301,7 +307,7 @@ class LLMEngine:
             if seq.attempts >= MAX_RESAMPLES:
                 self._halt(seq, decision, out)
                 return
-            self._redo(seq, guard.banned())  # banned here now: decode this position again
+            self._redo(seq)  # banned here now: decode this position again
             return
         if decision.verdict is Verdict.HALT:
             self._halt(seq, decision, out)
@@ -326,12 +332,14 @@ class LLMEngine:
             self._finish(seq, out)
             return
         self._deliver(seq, out)
-        seq.bans = guard.banned()
+        seq.bans = None  # the next position's: computed only if a step needs them
 
-    def _redo(self, seq: Sequence, bans: list[int], valid: int | None = None) -> None:
-        if seq.ahead:
-            LATE_REPAIRS.inc(seq.ahead)
-        seq.bans = bans
+    def _redo(self, seq: Sequence, valid: int | None = None, wasted: int = 0) -> None:
+        """The sequence's next step recomputes from its last token, under its exact bans;
+        steps already launched for it are dropped (counted as late repairs)."""
+        if wasted + seq.ahead:
+            LATE_REPAIRS.inc(wasted + seq.ahead)
+        seq.bans = None
         seq.redo(valid)
 
     def _roll_back(self, seq: Sequence, decision: Decision, out: Outbox) -> None:
@@ -344,7 +352,7 @@ class LLMEngine:
             forced = self.tokenizer(decision.text, add_special_tokens=False)["input_ids"]
             seq.guard.force(forced)
             seq.extend(forced)
-        self._redo(seq, seq.guard.banned(), valid)
+        self._redo(seq, valid)
         out.add(seq, events.policy(seq, intervention))
         self._deliver(seq, out)
 
@@ -421,6 +429,12 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
         mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else [])])
         return compact, runner, mode
     raise RuntimeError("no runner could be built")
+
+
+def _base_bans(seq: Sequence) -> list[int]:
+    """What the policy bans whatever the text: the mask of a row whose text is not known yet."""
+    masks = seq.guard.policy.masks
+    return masks.always_banned if masks is not None else []
 
 
 def _contains(sorted_ids: list[int], token: int) -> bool:

@@ -89,7 +89,9 @@ class Sequence:
     ahead: int = 0
     stale: int = 0
     pending_row: int = -1  # the row of the last launched step that samples its next token
-    bans: list[int] = field(default_factory=list)  # token ids banned at the next position
+    # Token ids the rules ban at the next position; None until a step needs the exact list
+    # (an optimistic row runs under the policy's base bans and is checked after).
+    bans: list[int] | None = None
     attempts: int = 0  # tokens refused at the current position
     noise_seed: int = 0  # the per-request key of its sampling noise
     admitted_at: float = 0.0
