@@ -146,8 +146,7 @@ def prompts(tokenizer_dir: str, n: int, tiny: bool) -> list[str]:
         while True:
             text = "Summarise this note for a client: " + " ".join(
                 words[(i * 13 + j) % len(words)] for j in range(k))
-            length = len(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                 tokenize=True, add_generation_prompt=True))
+            length = len(prompt_ids(tok, text))
             if length >= target or k > 4 * hi:
                 break
             k += max(1, (target - length) // 2)
@@ -367,10 +366,12 @@ def _client_proc(target: str, texts: list[str], streams: list[int], rounds: int,
                     yield chat_pb2.ChatClientMessage(request=req)
 
                 t0 = time.perf_counter()
-                times, tokens, error = [], [], ""
+                times, tokens, error, version = [], [], "", ""
                 async for e in stub.Chat(send()):
                     kind = e.WhichOneof("event")
-                    if kind == "delta":
+                    if kind == "started":
+                        version = e.started.policy_version
+                    elif kind == "delta":
                         times.append(time.perf_counter())
                         tokens.append(e.delta.tokens)
                     elif kind == "error":
@@ -380,7 +381,7 @@ def _client_proc(target: str, texts: list[str], streams: list[int], rounds: int,
                         break
                 out.append({"ttft": times[0] - t0 if times else None, "tokens": sum(tokens),
                             "gaps": [b - a for a, b in itertools.pairwise(times)],
-                            "error": error})
+                            "error": error, "policy_version": version})
         return out
 
     async def main() -> list[dict]:
@@ -404,7 +405,9 @@ def grpc_level(target: str, texts: list[str], n: int, rounds: int, max_tokens: i
     wall = time.perf_counter() - start
     for w in workers:
         w.join()
-    return summarize(reqs, wall)
+    row = summarize(reqs, wall)
+    row["policy_versions"] = sorted({r["policy_version"] for r in reqs})
+    return row
 
 
 def _health(target: str) -> bool:
@@ -510,8 +513,14 @@ def _hf_model(args, **kw):
 
 
 def _hf_prompt_ids(tok, texts: list[str]) -> list[list[int]]:
-    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                    add_generation_prompt=True) for t in texts]
+    return [prompt_ids(tok, t) for t in texts]
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    """The engine's own prompt: the chat template, then the tokenizer (no extra specials)."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                     add_generation_prompt=True)
+    return list(tok(prompt, add_special_tokens=False)["input_ids"])
 
 
 def phase_hf_generate(args) -> dict:
@@ -551,7 +560,9 @@ def phase_hf_batch(args) -> dict:
     out = model.generate_batch(inputs=inputs, generation_config=config)
     wall = time.perf_counter() - t
     tokens = sum(len(o.generated_tokens) for o in out.values())
-    return {"requests": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    errors = [o.error for o in out.values() if getattr(o, "error", None)]
+    return {"requests": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "errors": errors[:3]}
 
 
 def phase_tests(args) -> dict:

@@ -108,7 +108,7 @@ class ModelRunner:
         self._bans = BanIndex()
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
         self._cuda = device.type == "cuda"
-        self._pinned = [torch.empty(2, self.n_slots * 2, dtype=torch.long, pin_memory=True)
+        self._pinned = [torch.empty(4 * self.n_slots, dtype=torch.long, pin_memory=True)
                         for _ in range(2)] if self._cuda else []
         self._flip = 0
         self.graphs: DecodeGraphs | None = None
@@ -147,7 +147,7 @@ class ModelRunner:
         self._prev = out[0]
         if not self._cuda:
             return Launch(order, out)
-        host = self._pinned[self._flip][:, : len(order)]
+        host = self._pinned[self._flip][: 2 * len(order)].view(2, len(order))
         self._flip ^= 1
         host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .sequence import MIN_TEMPERATURE
+
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _FLOAT_MAX = torch.finfo(torch.float32).max
@@ -112,8 +114,10 @@ def _sampled(x: Tensor, rows: SamplingRows) -> Tensor:
     params = torch.tensor([rows.temperature, rows.top_p], dtype=torch.float32).to(device)
     ints = torch.tensor([rows.top_k, rows.keys], dtype=torch.int64).to(device)
     temperature, top_p, top_k, keys = params[0], params[1], ints[0], ints[1]
-    sampled = temperature > 0
-    scaled = (x / torch.where(sampled, temperature, 1.0)[:, None]).clamp(max=_FLOAT_MAX)
+    sampled = temperature > 0  # NaN is not: greedy
+    # Within [MIN_TEMPERATURE, 1e4]: -inf / inf would be NaN, and x / 1e-45 is not finite.
+    scale = torch.where(sampled, temperature, 1.0).clamp(MIN_TEMPERATURE, 1e4)
+    scaled = (x / scale[:, None]).clamp(max=_FLOAT_MAX)
     if any(k > 0 for k in rows.top_k) or any(p < 1.0 for p in rows.top_p):
         scaled = _top_k_top_p(scaled, top_k, top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(keys, x.shape[-1])))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from finsieve.client import chat_request
 from finsieve.engine.engine import EngineLimits, LLMEngine
 from finsieve.engine.hf_runner import HFRunner
 from finsieve.engine.loader import LoadedModel
+from finsieve.engine.sampler import SamplingRows
 
 from conftest import text_of
 
@@ -67,7 +69,7 @@ def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
                            "and what an amortization table shows.").input_ids
     whole = model.prefill([(0, 0, ids)], [True])
     cut = [0, 5, 6, 17, len(ids)]
-    chunks = [(1, a, ids[a:b]) for a, b in zip(cut, cut[1:], strict=False)]
+    chunks = [(1, a, ids[a:b]) for a, b in itertools.pairwise(cut)]
     last = [model.prefill([c], [i == len(chunks) - 1]) for i, c in enumerate(chunks)][-1]
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
     assert int(last.argmax()) == int(whole.argmax())
@@ -146,9 +148,7 @@ def test_a_qwen2_directory_runs_on_the_compact_forward(tmp_path, engine):
     assert text_of(events) == _hf_greedy(loaded.hf_model, loaded.tokenizer, "Hello there", 12)
 
 
-def _rows(n: int, **kw) -> "SamplingRows":
-    from finsieve.engine.sampler import SamplingRows
-
+def _rows(n: int, **kw) -> SamplingRows:
     values = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "keys": 0, "bans": []} | kw
     return SamplingRows(*([values[k]] * n if k != "keys" else list(range(n))
                           for k in ("temperature", "top_k", "top_p", "keys", "bans")))
