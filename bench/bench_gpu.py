@@ -575,7 +575,7 @@ def phase_tests(args) -> dict:
 
 
 PHASES = {"tests": phase_tests, "device": phase_device, "model": phase_model,
-          "inprocess": phase_inprocess, "serve": phase_serve, "hf_batch": phase_hf_batch,
+          "inprocess": phase_inprocess, "hf_batch": phase_hf_batch, "serve": phase_serve,
           "hf_generate": phase_hf_generate}
 
 

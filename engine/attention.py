@@ -41,8 +41,9 @@ def split_len_for(max_len: int) -> int:
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                      lengths: Tensor, split_len: int) -> Tensor:
-    """q (rows, heads, head_dim); lengths: positions each row attends, its new token included."""
-    if q.is_cuda:
+    """q (rows, heads, head_dim); lengths: positions each row attends, its new token included.
+    split_len 0: the per-row SDPA path (the CPU's, and CUDA's fallback if Triton fails)."""
+    if q.is_cuda and split_len:
         return _triton_decode(q, k_cache, v_cache, slots, lengths, split_len)
     out = torch.empty_like(q)
     for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist(), strict=True)):

@@ -417,16 +417,20 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
         log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
                  gib=round(compact.cache.nbytes / 2**30, 2),
                  free_gib=round(torch.cuda.mem_get_info(device)[0] / 2**30, 1))
-    tries = [(limits.compile, limits.cuda_graphs), (False, limits.cuda_graphs), (False, False)] \
-        if cuda else [(False, False)]
-    for compiled, graphs in dict.fromkeys(tries):
+    split_len = compact.split_len
+    tries = [(limits.compile, limits.cuda_graphs, True), (False, limits.cuda_graphs, True),
+             (False, False, True), (False, False, False)] if cuda else [(False, False, False)]
+    for compiled, graphs, triton in dict.fromkeys(tries):
         try:
             compact.set_compiled(compiled)
+            compact.split_len = split_len if triton else 0
             runner = ModelRunner(compact, device, graphs)
         except Exception as e:  # a compiler or capture failure must not stop the service
-            log.warning("falling back", compiled=compiled, cuda_graphs=graphs, error=repr(e)[:500])
+            log.warning("falling back", compiled=compiled, cuda_graphs=graphs, triton=triton,
+                        error=repr(e)[:800])
             continue
-        mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else [])])
+        mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else []),
+                         *(["triton-attention"] if triton else [])])
         return compact, runner, mode
     raise RuntimeError("no runner could be built")
 

@@ -159,7 +159,7 @@ def test_seeded_request_samples_the_same_tokens_alone_and_in_a_batch_of_64(rando
     assert sinks[17].events[-1].finished == alone[-1].finished
 
 
-def test_zero_leak_on_cuda(random_llama, tmp_path):
+def test_zero_leak_on_cuda(graphed, tmp_path):
     """Rules built from what the (random) model does say without rules: with them, none of it
     reaches the client, on the CUDA path (graphs, batched mask, optimistic decoding)."""
     import json
@@ -171,7 +171,7 @@ def test_zero_leak_on_cuda(random_llama, tmp_path):
 
     from test_enforcement import ZERO_LEAK
 
-    engine = _engine(random_llama, torch.bfloat16, max_batch=16)
+    engine = graphed
     prompts = list(ZERO_LEAK.values())
 
     def run(policy) -> list[list]:
@@ -199,7 +199,8 @@ def test_zero_leak_on_cuda(random_llama, tmp_path):
 
 
 def test_server_streams_on_cuda(tmp_path, random_llama):
-    srv = start_server(tmp_path, "--device", "cuda", "--model", str(random_llama), "--max-batch", "8")
+    srv = start_server(tmp_path, "--device", "cuda", "--model", str(random_llama), "--max-batch", "8",
+                       "--no-compile")
 
     async def go():
         async with ChatStream(srv.target) as s:
