@@ -59,6 +59,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "vocab.json", "merges.txt")
 
 
+def time_left(args) -> float:
+    return args.until - time.time() if args.until else 1e9
+
+
 def pct(values: list[float], q: float) -> float | None:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else None
@@ -136,21 +140,25 @@ def prompts(tokenizer_dir: str, n: int, tiny: bool) -> list[str]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    words = " ".join(ln for ln in (REPO / "tests/data/clean_corpus.txt").read_text().splitlines()
-                     if ln and not ln.startswith("#")).split()
+    words = [w for ln in (REPO / "tests/data/clean_corpus.txt").read_text().splitlines()
+             if ln and not ln.startswith("#") and ln.isascii() for w in ln.split()]
     lo, hi = (32, 64) if tiny else (128, 512)
     out = []
     for i in range(n):
         target = lo + (i * 97) % (hi - lo + 1)
-        k = target
-        while True:
-            text = "Summarise this note for a client: " + " ".join(
+
+        def text(k: int, i: int = i) -> str:
+            return "Summarise this note for a client: " + " ".join(
                 words[(i * 13 + j) % len(words)] for j in range(k))
-            length = len(prompt_ids(tok, text))
-            if length >= target or k > 4 * hi:
-                break
-            k += max(1, (target - length) // 2)
-        out.append(text)
+
+        low, high = 1, 2 * hi  # the fewest words whose prompt reaches the target
+        while low < high:
+            mid = (low + high) // 2
+            if len(prompt_ids(tok, text(mid))) >= target:
+                high = mid
+            else:
+                low = mid + 1
+        out.append(text(low))
     return out
 
 
@@ -196,7 +204,8 @@ def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -
     row = {"requests": len(reqs), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
            "ttft_p50_ms": 1000 * (pct(ttft, 0.5) or 0), "ttft_p99_ms": 1000 * (pct(ttft, 0.99) or 0),
            "itl_p50_ms": 1000 * (pct(gaps, 0.5) or 0), "itl_p99_ms": 1000 * (pct(gaps, 0.99) or 0),
-           "errors": sum(1 for r in reqs if r["error"])}
+           "errors": sum(1 for r in reqs if r["error"]),
+           "error_examples": sorted({r["error"][:200] for r in reqs if r["error"]})[:3]}
     if steps:
         row["step_p50_ms"] = 1000 * pct(steps, 0.5)
         row["step_p99_ms"] = 1000 * pct(steps, 0.99)
@@ -279,16 +288,22 @@ def phase_inprocess(args) -> dict:
     engine.policy = lambda: NO_POLICY
     run_engine_level(engine, texts, min(4, max(args.levels)), 1, 8)  # warm-up
     levels = []
+    result["levels"] = levels
     for n in args.levels:
         for name, pol in (("off", NO_POLICY), ("on", policy)):
+            if time_left(args) < 60:
+                result["skipped"] = f"levels from {n} streams rules {name}: no time left"
+                break
             engine.policy = lambda pol=pol: pol
             row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens)
             row.update(streams=n, rules=name)
             levels.append(row)
             print(f"  in-process {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
-                  f"step p50 {row.get('step_p50_ms', 0):.2f} ms", flush=True)
-    result["levels"] = levels
+                  f"step p50 {row.get('step_p50_ms', 0):.2f} ms, errors {row['errors']}", flush=True)
+            Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     engine.policy = lambda: policy
+    if time_left(args) < 30:
+        return result
     burst = min(64, max(args.levels))
     prompt_tokens = sum(len(engine.prepare(_req(t), TimingSink()).prompt_ids) for t in texts[:burst])
     row = run_engine_level(engine, texts, burst, 1, args.max_tokens, burst=True)
@@ -367,7 +382,7 @@ def _client_proc(target: str, texts: list[str], streams: list[int], rounds: int,
 
                 t0 = time.perf_counter()
                 times, tokens, error, version = [], [], "", ""
-                async for e in stub.Chat(send()):
+                async for e in stub.Chat(send(), timeout=180):
                     kind = e.WhichOneof("event")
                     if kind == "started":
                         version = e.started.policy_version
@@ -392,7 +407,7 @@ def _client_proc(target: str, texts: list[str], streams: list[int], rounds: int,
 
 
 def grpc_level(target: str, texts: list[str], n: int, rounds: int, max_tokens: int,
-               procs: int) -> dict:
+               procs: int, timeout: float = 300) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     shares = [list(range(n))[i::procs] for i in range(min(procs, n))]
@@ -401,10 +416,18 @@ def grpc_level(target: str, texts: list[str], n: int, rounds: int, max_tokens: i
     start = time.perf_counter()
     for w in workers:
         w.start()
-    reqs = [r for _ in workers for r in queue.get(timeout=600)]
+    reqs = []
+    try:
+        for _ in workers:
+            reqs += queue.get(timeout=max(timeout - (time.perf_counter() - start), 1))
+    finally:
+        for w in workers:
+            w.join(1)
+            if w.is_alive():
+                w.kill()
     wall = time.perf_counter() - start
-    for w in workers:
-        w.join()
+    if not reqs:
+        raise TimeoutError(f"{n} streams: no client finished within {timeout:.0f} s")
     row = summarize(reqs, wall)
     row["policy_versions"] = sorted({r["policy_version"] for r in reqs})
     return row
@@ -461,20 +484,31 @@ def phase_serve(args) -> dict:
         texts = prompts(args.model_dir, 128, args.tiny)
         target = f"127.0.0.1:{port}"
         grpc_level(target, texts, min(4, max(args.levels)), 1, 8, 1)  # warm-up
-        levels = []
+        result["gpu_memory_gib"] = _gpu_used_gib()
+        levels: list[dict] = []
+        result["levels"] = levels
         for name in ("on", "off"):
             if name == "off":
                 for f in rules.glob("*.yaml"):
                     f.unlink()  # hot reload to an empty pack: the guard runs, nothing matches
                 time.sleep(3)
             for n in args.levels:
-                row = grpc_level(target, texts, n, args.rounds, args.max_tokens, args.client_procs)
+                if time_left(args) < 45:
+                    result["skipped"] = f"levels from {n} streams rules {name}: no time left"
+                    break
+                try:
+                    row = grpc_level(target, texts, n, args.rounds, args.max_tokens,
+                                     args.client_procs, timeout=time_left(args) - 25)
+                except Exception as e:
+                    row = {"error": repr(e)[:300], "tokens_per_s": 0, "ttft_p50_ms": 0,
+                           "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0}
                 row.update(streams=n, rules=name)
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
-                      f"TTFT p50 {row['ttft_p50_ms']:.0f} ms", flush=True)
-        result["levels"] = levels
-        result["gpu_memory_gib"] = _gpu_used_gib()
+                      f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row.get('errors')} "
+                      f"{row.get('error_examples') or row.get('error', '')}", flush=True)
+                _save_logs(logs, args)
+                Path(args.result).write_text(json.dumps(result))
     finally:
         for p in [*gateways, engine]:
             p.send_signal(signal.SIGTERM)
@@ -484,10 +518,14 @@ def phase_serve(args) -> dict:
             except subprocess.TimeoutExpired:
                 p.kill()
         result["engine_log_tail"] = (work / "engine.log").read_text(errors="replace")[-1500:]
-        if args.log_dir:
-            for f in logs:
-                shutil.copy(f, Path(args.log_dir) / f.name)
+        _save_logs(logs, args)
     return result
+
+
+def _save_logs(logs: list[Path], args) -> None:
+    if args.log_dir:
+        for f in logs:
+            shutil.copy(f, Path(args.log_dir) / f.name)
 
 
 def _gpu_used_gib() -> float | None:
@@ -585,17 +623,22 @@ def run_phase(name: str, args, budget: float) -> dict:
     """A phase in its own process, with a time limit; its result or its error."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         result_path = f.name
-    cmd = [sys.executable, __file__, "--phase", name, "--result", result_path, *args.passthrough]
+    cmd = [sys.executable, __file__, "--phase", name, "--result", result_path,
+           "--until", str(time.time() + budget - 10), *args.passthrough]
     t = time.perf_counter()
+    error = ""
     try:
         proc = subprocess.run(cmd, timeout=budget)
-        data = json.loads(Path(result_path).read_text() or "{}")
-        if proc.returncode and "error" not in data:
-            data["error"] = f"exit {proc.returncode}"
+        if proc.returncode:
+            error = f"exit {proc.returncode}"
     except subprocess.TimeoutExpired:
-        data = {"error": f"timed out after {budget:.0f} s"}
+        error = f"timed out after {budget:.0f} s"
+    try:
+        data = json.loads(Path(result_path).read_text() or "{}")  # what it measured, even if cut
     except json.JSONDecodeError:
-        data = {"error": "no result"}
+        data = {}
+    if error and "error" not in data:
+        data["error"] = error
     data["phase_s"] = time.perf_counter() - t
     return data
 
@@ -621,15 +664,15 @@ def table(r: dict) -> str:
                  f"{'vs hfB':>7} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'repairs':>7}")
     for path in ("inprocess", "serve"):
         for row in r.get(path, {}).get("levels", []):
-            tps = row["tokens_per_s"]
+            tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None
             itl = (row.get("step_p50_ms"), row.get("step_p99_ms")) if path == "inprocess" else (
-                row["itl_p50_ms"], row["itl_p99_ms"])
+                row.get("itl_p50_ms"), row.get("itl_p99_ms"))
             lines.append(
                 f"{path:<10} {row['streams']:>7} {row['rules']:>5} {tps:>8.0f} "
                 f"{(f'{tps / per_stream_floor:.0%}' if per_stream_floor and row['streams'] == 1 else ''):>8} "
                 f"{(f'{tps / hf1:.1f}x' if hf1 else ''):>7} {(f'{tps / hfb:.1f}x' if hfb else ''):>7} "
-                f"{row['ttft_p50_ms']:>8.0f}/{row['ttft_p99_ms']:<8.0f}"
+                f"{row.get('ttft_p50_ms', 0):>8.0f}/{row.get('ttft_p99_ms', 0):<8.0f}"
                 f"{itl[0] or 0:>7.2f}/{itl[1] or 0:<8.2f}{row.get('late_repairs', ''):>7}")
     b = r.get("inprocess", {}).get("burst")
     if b:
@@ -673,6 +716,7 @@ def main() -> None:
     ap.add_argument("--tests-timeout", type=float, default=150)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--until", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.levels = args.levels or ([1, 4] if args.tiny else [1, 16, 64, 128])
     args.max_tokens = args.max_tokens or (16 if args.tiny else 256)

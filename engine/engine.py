@@ -61,6 +61,7 @@ log = structlog.get_logger(__name__)
 
 NO_POLICY = Policy(Pack([]), None, "none")
 MAX_RESAMPLES = 32  # tokens refused at one position; then the sequence halts
+STATS_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class LLMEngine:
         self._stopping = False
         self._in_flight: _InFlight | None = None
         self._last_launch = 0.0
+        self._counts: list = [0, 0, 0.0]  # steps, tokens, seconds since the last report
         self.failed = threading.Event()
 
     # -- any thread -------------------------------------------------------------------
@@ -167,13 +169,27 @@ class LLMEngine:
     # -- the engine thread ------------------------------------------------------------
 
     def run(self) -> None:
+        report = time.monotonic() + STATS_EVERY_S
         try:
             while not self._stopping:
                 if not self.step():
-                    self._wake.wait()
+                    self._wake.wait(STATS_EVERY_S)
                     self._wake.clear()
+                if time.monotonic() >= report:
+                    self._report()
+                    report = time.monotonic() + STATS_EVERY_S
         except EngineFailed:
             self.failed.set()
+
+    def _report(self) -> None:
+        """What the loop did lately, for operators: counts only, never text."""
+        steps, tokens, busy = self._counts
+        if steps:
+            log.info("engine stats", steps=steps, tokens=tokens,
+                     ms_per_step=round(1000 * busy / steps, 2),
+                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                     late_repairs=int(LATE_REPAIRS._value.get()))
+        self._counts = [0, 0, 0.0]
 
     def step(self) -> bool:
         """One scheduling round; returns False when there was nothing to do."""
@@ -223,6 +239,8 @@ class LLMEngine:
         now = time.perf_counter()
         if self._in_flight is not None:
             STEP_SECONDS.observe(now - self._last_launch)
+            self._counts[0] += 1
+            self._counts[2] += now - self._last_launch
         self._last_launch = now
         try:
             launch = self.runner.launch([self._step_row(r) for r in rows])
@@ -317,6 +335,7 @@ class LLMEngine:
             return
         seq.append(token, eos)
         TOKENS.inc()
+        self._counts[1] += 1
         if not seq.done and seq.context_len >= self.max_context:
             seq.finish_reason = Finish.LENGTH
         if seq.done and not eos:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 import torch
 from torch import Tensor
 
-from .sampler import BanIndex, SamplingRows, sample
+from .sampler import BanIndex, DeviceParams, SamplingRows, sample
 
 log = structlog.get_logger(__name__)
 
@@ -100,12 +101,43 @@ class DecodeGraphs:
         return out[:rows]
 
 
+class _Staging:
+    """A step's host-to-device inputs, through pinned buffers used in turn (three: a buffer is
+    written again only after the device has finished the step that read it). A copy from
+    pageable memory may wait for the device's earlier work, and so stall the pipeline."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._buffers: dict[tuple[int, torch.dtype], Tensor] = {}
+        self._turn = 0
+
+    def next_step(self) -> None:
+        self._turn = (self._turn + 1) % 3
+
+    def put(self, parts: list[np.ndarray], dtype: torch.dtype) -> list[Tensor]:
+        """One copy for all parts; device views of each, in order."""
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if not self._pinned:
+            whole = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype)
+        else:
+            key = (self._turn, dtype)
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() < flat.size:
+                buf = torch.empty(max(flat.size, 4096) * 2, dtype=dtype, pin_memory=True)
+                self._buffers[key] = buf
+            buf.numpy()[: flat.size] = flat
+            whole = buf[: flat.size].to(self.device, non_blocking=True)
+        return list(whole.split([p.size for p in parts]))
+
+
 class ModelRunner:
     def __init__(self, model, device: torch.device, graphs: bool = False) -> None:
         self.model = model
         self.device = device
         self.n_slots = model.n_slots
         self._bans = BanIndex()
+        self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
         self._cuda = device.type == "cuda"
         self._pinned = [torch.empty(4 * self.n_slots, dtype=torch.long, pin_memory=True)
@@ -123,27 +155,42 @@ class ModelRunner:
                      seconds=round(self.startup_s, 1))
 
     def launch(self, rows: list[StepRow]) -> Launch:
+        self._staging.next_step()
         decode = [i for i, r in enumerate(rows) if r.sample and len(r.tokens) <= 1]
         in_decode = set(decode)
         prefill = [i for i in range(len(rows)) if i not in in_decode]
+        order = decode + [i for i in prefill if rows[i].sample]
+        sampled = [rows[i] for i in order]
+        params = SamplingRows([r.temperature for r in sampled], [r.top_k for r in sampled],
+                              [r.top_p for r in sampled], [r.key for r in sampled],
+                              [r.bans for r in sampled])
+        # Every integer the step needs goes to the device in one copy.
+        parts = [self._decode_inputs([rows[i] for i in decode])] if decode else []
+        flat_bans = self._bans.flat(params.bans) if order else None
+        if flat_bans is not None:
+            parts.append(flat_bans.reshape(-1))
+        if params.sampled:
+            parts.append(np.asarray([params.top_k, params.keys], dtype=np.int64).reshape(-1))
+        staged = self._staging.put(parts, torch.long) if parts else []
         logits = []
         if decode:
-            logits.append(self._decode([rows[i] for i in decode]))
+            logits.append(self._decode([rows[i] for i in decode], staged.pop(0).view(5, -1)))
+        bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
+        device_params = None
+        if params.sampled:
+            ints = staged.pop(0).view(2, -1)
+            floats = self._staging.put([np.asarray([params.temperature, params.top_p],
+                                                   dtype=np.float32).reshape(-1)], torch.float32)[0]
+            floats = floats.view(2, -1)
+            device_params = DeviceParams(floats[0], floats[1], ints[0], ints[1], params.filtered)
         if prefill:
             out = self.model.prefill([(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill],
                                      [rows[i].sample for i in prefill])
             if out.shape[0]:
                 logits.append(out)
-        order = decode + [i for i in prefill if rows[i].sample]
         if not order:
             return Launch(order)
-        sampled = [rows[i] for i in order]
-        params = SamplingRows([r.temperature for r in sampled], [r.top_k for r in sampled],
-                              [r.top_p for r in sampled], [r.key for r in sampled],
-                              [r.bans for r in sampled])
-        flat = self._bans.flat(params.bans)
-        bans = torch.from_numpy(flat).to(self.device, non_blocking=True) if flat is not None else None
-        out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), params, bans)
+        out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), device_params, bans)
         self._prev = out[0]
         if not self._cuda:
             return Launch(order, out)
@@ -154,26 +201,28 @@ class ModelRunner:
         done.record()
         return Launch(order, host, done)
 
-    def _decode(self, rows: list[StepRow]) -> Tensor:
+    def _decode_inputs(self, rows: list[StepRow]) -> np.ndarray:
+        """(5, bucket): ids, positions, slots, from-previous flag, previous row; padding rows
+        feed token 0 at position 0 of the scratch slot."""
         n = len(rows)
         size = self.graphs.bucket(n) if self.graphs else n
-        pad = size - n
-        scratch = self.model.cache.scratch if pad else 0
-        host = torch.tensor([
-            [r.tokens[0] if r.tokens else 0 for r in rows] + [0] * pad,
-            [r.start for r in rows] + [0] * pad,
-            [r.slot for r in rows] + [scratch] * pad,
-            [0 if r.tokens else 1 for r in rows] + [0] * pad,
-            [r.prev if not r.tokens else 0 for r in rows] + [0] * pad,
-        ], dtype=torch.long)
-        inputs = host.to(self.device, non_blocking=True)
+        out = np.zeros((5, size), dtype=np.int64)
+        out[0, :n] = [r.tokens[0] if r.tokens else 0 for r in rows]
+        out[1, :n] = [r.start for r in rows]
+        out[2, :n] = [r.slot for r in rows]
+        out[2, n:] = self.model.cache.scratch
+        out[3, :n] = [0 if r.tokens else 1 for r in rows]
+        out[4, :n] = [r.prev if not r.tokens else 0 for r in rows]
+        return out.reshape(-1)
+
+    def _decode(self, rows: list[StepRow], inputs: Tensor) -> Tensor:
         if any(not r.tokens for r in rows):
             # Optimistic rows: the previous step's sample, on the device. A row that had
             # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
             ahead = self._prev[inputs[4]].clamp(min=0)
             inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
         if self.graphs is not None:
-            return self.graphs.run(inputs[:3], n)
+            return self.graphs.run(inputs[:3], len(rows))
         return self.model.decode(inputs[0], inputs[1], inputs[2])
 
     def _warm_prefill(self) -> None:

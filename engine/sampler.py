@@ -66,6 +66,31 @@ class SamplingRows:
     keys: list[int]  # noise_key(seed, position)
     bans: list[list[int]]  # sorted token ids each row may not take
 
+    @property
+    def sampled(self) -> bool:
+        return any(t > 0 for t in self.temperature)  # NaN is not: greedy
+
+    @property
+    def filtered(self) -> bool:
+        return any(k > 0 for k in self.top_k) or any(p < 1.0 for p in self.top_p)
+
+
+@dataclass
+class DeviceParams:
+    """SamplingRows' numbers on the device (the runner stages them through pinned memory)."""
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    keys: Tensor
+    filtered: bool
+
+    @classmethod
+    def of(cls, rows: SamplingRows, device: torch.device) -> DeviceParams:
+        floats = torch.tensor([rows.temperature, rows.top_p], dtype=torch.float32).to(device)
+        ints = torch.tensor([rows.top_k, rows.keys], dtype=torch.int64).to(device)
+        return cls(floats[0], floats[1], ints[0], ints[1], rows.filtered)
+
 
 class BanIndex:
     """Host arrays of ban lists, kept by identity: the rules hand out the same list object for
@@ -95,32 +120,31 @@ class BanIndex:
         return np.stack([rows, cols])
 
 
-def sample(logits: Tensor, rows: SamplingRows, bans: Tensor | None) -> Tensor:
-    """Tokens for a step: logits (rows, vocab), bans a (2, n) index tensor on the same device."""
+def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tensor | None) -> Tensor:
+    """Tokens for a step: logits (rows, vocab); rows None when every row is greedy; bans a
+    (2, n) index tensor on the logits' device."""
     x = logits.float()
     first = x.argmax(-1)
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX)
     if bans is not None:
         x[bans[0], bans[1]] = float("-inf")
-    if any(t > 0 for t in rows.temperature):
+    if isinstance(rows, SamplingRows):
+        rows = DeviceParams.of(rows, x.device) if rows.sampled else None
+    if rows is not None:
         x = _sampled(x, rows)
     best, token = x.max(-1)
     token = torch.where(best > float("-inf"), token, -1)  # nothing allowed: the engine halts it
     return torch.stack([token, first])
 
 
-def _sampled(x: Tensor, rows: SamplingRows) -> Tensor:
-    device = x.device
-    params = torch.tensor([rows.temperature, rows.top_p], dtype=torch.float32).to(device)
-    ints = torch.tensor([rows.top_k, rows.keys], dtype=torch.int64).to(device)
-    temperature, top_p, top_k, keys = params[0], params[1], ints[0], ints[1]
-    sampled = temperature > 0  # NaN is not: greedy
+def _sampled(x: Tensor, p: DeviceParams) -> Tensor:
+    sampled = p.temperature > 0  # NaN is not: greedy
     # Within [MIN_TEMPERATURE, 1e4]: -inf / inf would be NaN, and x / 1e-45 is not finite.
-    scale = torch.where(sampled, temperature, 1.0).clamp(MIN_TEMPERATURE, 1e4)
+    scale = torch.where(sampled, p.temperature, 1.0).clamp(MIN_TEMPERATURE, 1e4)
     scaled = (x / scale[:, None]).clamp(max=_FLOAT_MAX)
-    if any(k > 0 for k in rows.top_k) or any(p < 1.0 for p in rows.top_p):
-        scaled = _top_k_top_p(scaled, top_k, top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, x.shape[-1])))
+    if p.filtered:
+        scaled = _top_k_top_p(scaled, p.top_k, p.top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(p.keys, x.shape[-1])))
     return torch.where(sampled[:, None], scaled + gumbel, x)
 
 
