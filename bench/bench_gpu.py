@@ -286,7 +286,8 @@ def phase_inprocess(args) -> dict:
     result["rules"] = len(policy.pack.rules)
     texts = prompts(args.model_dir, 128, args.tiny)
     engine.policy = lambda: NO_POLICY
-    run_engine_level(engine, texts, min(4, max(args.levels)), 1, 8)  # warm-up
+    run_engine_level(engine, texts, len(texts), 1, 2, burst=True)  # every prompt shape once
+    result["graph_replay_ms"] = _graph_replay_ms(engine)
     levels = []
     result["levels"] = levels
     for n in args.levels:
@@ -315,6 +316,33 @@ def phase_inprocess(args) -> dict:
     if device.type == "cuda":
         result["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
+
+
+def _graph_replay_ms(engine) -> dict:
+    """Device time of one decode step's graph alone (no sampling, no host work), per bucket."""
+    import torch
+
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {}
+    out = {}
+    for size in (1, 16, 64, 128):
+        if size not in graphs.buckets:
+            continue
+        inputs = torch.zeros(3, size, dtype=torch.long, device="cuda")
+        inputs[1] = 500  # attend 501 positions, a typical context here
+        inputs[2] = torch.arange(size, device="cuda") % engine.max_batch
+        times = []
+        for i in range(23):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graphs.run(inputs, size)
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                times.append(s.elapsed_time(e))
+        out[size] = statistics.median(times)
+    return out
 
 
 def _req(text: str):
@@ -567,7 +595,9 @@ def phase_hf_generate(args) -> dict:
     model, tok, device = _hf_model(args)
     ids = torch.tensor([_hf_prompt_ids(tok, prompts(args.model_dir, 1, args.tiny))[0]], device=device)
     if device == "cuda":
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # "reduce-overhead" (CUDA graphs) fails inside transformers' static cache update here
+        # ("accessing tensor output of CUDAGraphs that has been overwritten"); inductor alone.
+        model.forward = torch.compile(model.forward, fullgraph=True)
     kw = {"max_new_tokens": args.max_tokens, "min_new_tokens": args.max_tokens, "do_sample": False,
           "cache_implementation": "static", "attention_mask": torch.ones_like(ids)}
     t = time.perf_counter()
@@ -679,6 +709,10 @@ def table(r: dict) -> str:
         lines.append(f"\n{b['streams']} requests at once (rules on): TTFT p50 {b['ttft_p50_ms']:.0f} ms, "
                      f"p99 {b['ttft_p99_ms']:.0f} ms; all prefilled in {b['last_first_token_s']:.2f} s "
                      f"= {b['prefill_flops_per_s'] / 1e12:.0f} TFLOP/s incl. interleaved decode")
+    gr = r.get("inprocess", {}).get("graph_replay_ms")
+    if gr:
+        lines.append("decode graph replay alone (device time, 501 positions): " + ", ".join(
+            f"batch {k}: {v:.2f} ms" for k, v in gr.items()))
     bp = r.get("inprocess", {}).get("bare_prefill")
     if bp:
         peak = dev.get("bf16_matmul_flops")

@@ -182,16 +182,21 @@ class MaskTables:
         tail = "".join(matcher.norm.text[-keep:]) if keep else ""
         pending = matcher.norm.pending
         if not pending:
-            return self._completes(tail, self.tokens.contrib[token])
+            return self._ends_in(tail, self.tokens.contrib[token])
         if self._always.get(token, False):
             return True
         lead = self.tokens.lead[token]
         if not lead:
             return False  # it leaves the pending character broken: only always-banned counts
         head, still_pending = _contribution(pending + lead)
-        if self._completes(tail, head):
+        if self._ends_in(tail, head):
             return True
-        return not still_pending and self._completes(_join(tail, head), self.tokens.rest[token])
+        return not still_pending and self._ends_in(_join(tail, head), self.tokens.rest[token])
+
+    def _ends_in(self, live: str, head: str) -> bool:
+        """`_completes`, reading the automaton's iterator to its end (never left half-read)."""
+        ends = [end for end, _ in self.patterns.automaton.iter(_join(live, head))]
+        return bool(ends) and max(ends) >= len(live)
 
     def ban_set(self, tail: str, pending: bytes = b"") -> list[int]:
         """Sorted ids of the tokens that would complete a pattern after `tail` (+ pending bytes)."""
