@@ -195,7 +195,8 @@ class MaskTables:
 
     def _ends_in(self, live: str, head: str) -> bool:
         """`_completes`, reading the automaton's iterator to its end (never left half-read)."""
-        ends = [end for end, _ in self.patterns.automaton.iter(_join(live, head))]
+        text = _join(live, head)  # held while the C iterator reads it
+        ends = [end for end, _ in self.patterns.automaton.iter(text)]
         return bool(ends) and max(ends) >= len(live)
 
     def ban_set(self, tail: str, pending: bytes = b"") -> list[int]:
