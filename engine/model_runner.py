@@ -106,10 +106,14 @@ class _Staging:
     written again only after the device has finished the step that read it). A copy from
     pageable memory may wait for the device's earlier work, and so stall the pipeline."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, size: int = 1 << 18) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
+        self._size = size
         self._buffers: dict[tuple[int, torch.dtype], Tensor] = {}
+        # A buffer outgrown while a copy from it may be pending is kept, never freed: growth
+        # doubles, so what is kept is at most the size of the buffers in use.
+        self._outgrown: list[Tensor] = []
         self._turn = 0
 
     def next_step(self) -> None:
@@ -124,7 +128,10 @@ class _Staging:
             key = (self._turn, dtype)
             buf = self._buffers.get(key)
             if buf is None or buf.numel() < flat.size:
-                buf = torch.empty(max(flat.size, 4096) * 2, dtype=dtype, pin_memory=True)
+                if buf is not None:
+                    self._outgrown.append(buf)
+                self._size = max(self._size, 2 * flat.size)
+                buf = torch.empty(self._size, dtype=dtype, pin_memory=True)
                 self._buffers[key] = buf
             buf.numpy()[: flat.size] = flat
             whole = buf[: flat.size].to(self.device, non_blocking=True)
