@@ -217,7 +217,8 @@ class ModelRunner:
         out[0, :n] = [r.tokens[0] if r.tokens else 0 for r in rows]
         out[1, :n] = [r.start for r in rows]
         out[2, :n] = [r.slot for r in rows]
-        out[2, n:] = self.model.cache.scratch
+        if size > n:
+            out[2, n:] = self.model.cache.scratch
         out[3, :n] = [0 if r.tokens else 1 for r in rows]
         out[4, :n] = [r.prev if not r.tokens else 0 for r in rows]
         return out.reshape(-1)

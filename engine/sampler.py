@@ -125,7 +125,7 @@ def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tenso
     (2, n) index tensor on the logits' device."""
     x = logits.float()
     first = x.argmax(-1)
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX)
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
     if bans is not None:
         x[bans[0], bans[1]] = float("-inf")
     if isinstance(rows, SamplingRows):
