@@ -291,3 +291,27 @@ def test_a_bad_frame_or_a_failing_prepare_fails_that_request_and_the_stream_goes
     assert out["bad"][-1].error.code == INVALID
     assert out["crash"][-1].error.code == INTERNAL
     assert out["good"][-1].WhichOneof("event") == "finished" and text_of(out["good"])
+
+
+def test_a_device_that_stops_computing_stops_the_engine_and_fails_its_requests(engine, monkeypatch):
+    """A CUDA error cannot be produced on the CPU: the step's failure and the lost device are
+    injected. Every request gets UNAVAILABLE and `failed` is set (serve then exits with 1)."""
+    sinks = [CollectingSink() for _ in range(3)]
+    for i, sink in enumerate(sinks):
+        engine.submit(engine.prepare(chat_request(f"d{i}", "What is a bond?", max_tokens=50), sink))
+    engine.step()
+
+    def lost(rows):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    monkeypatch.setattr(engine.runner, "launch", lost)
+    monkeypatch.setattr(engine.runner, "healthy", lambda: False)
+    engine.failed.clear()
+    with _engine_thread(engine):
+        assert engine.failed.wait(60)
+    unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+    for sink in sinks:
+        assert sink.events[-1].WhichOneof("event") == "error"
+        assert sink.events[-1].error.code == unavailable
+    assert len(engine.scheduler) == 0
+    engine._in_flight = None  # the session's engine goes on serving the next tests
