@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
     s.add_argument("--max-batch", type=int)
     s.add_argument("--max-context", type=int)
+    s.add_argument("--max-waiting", type=int, help="requests waiting for a KV slot (then refused)")
+    s.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step")
+    s.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="CUDA: torch.compile the decode step")
+    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   help="CUDA: decode steps as CUDA graphs")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0 = off)")
     s.set_defaults(run=_serve)
 
@@ -128,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from finsieve import logs
-    from finsieve.serve import serve
+    from finsieve.serve import EngineStopped, serve
 
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items() if k in Settings.__dataclass_fields__
@@ -148,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
             for problem in e.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1
-        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError)):
+        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError, EngineStopped)):
             print(f"finsieve serve: {e}", file=sys.stderr)
             return 1
         raise

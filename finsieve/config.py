@@ -63,6 +63,15 @@ class Settings:
     batch_invariant: bool = _setting(
         True, "CPU: fixed 8-row matmul tiles so an answer never depends on the batch"
     )
+    max_waiting: int = _setting(
+        256, "requests waiting for a KV slot; beyond, RESOURCE_EXHAUSTED with a retry hint")
+    prefill_chunk: int = _setting(
+        2048, "prompt tokens prefilled per step (chunked prefill): the longest stall a burst of "
+        "prompts causes the running streams")
+    gpu_memory_utilization: float = _setting(
+        0.9, "CUDA: share of the device's memory the engine may fill (weights + KV slots)")
+    compile: bool = _setting(True, "CUDA: torch.compile the decode step (fuses elementwise work)")
+    cuda_graphs: bool = _setting(True, "CUDA: run decode steps as CUDA graphs per batch bucket")
     max_tokens_limit: int = _setting(1024, "largest max_tokens a request may ask for")
     default_max_tokens: int = _setting(256, "max_tokens when a request leaves it unset")
     max_input_bytes: int = _setting(262144, "largest total size of a request's messages")
@@ -126,14 +135,17 @@ class Settings:
 
     def validate(self) -> None:
         positive = ("max_batch", "max_context", "max_tokens_limit", "default_max_tokens",
-                    "max_input_bytes", "max_rollbacks", "max_messages", "max_message_bytes",
-                    "max_in_flight_per_stream", "max_in_flight_per_connection", "max_streams",
-                    "outbox_max_events", "slow_reader_grace_s", "keepalive_time_s",
-                    "keepalive_timeout_s", "min_ping_interval_s", "engine_connect_timeout_s",
-                    "rules_max_bytes", "regex_timeout_ms", "rules_debounce_ms")
+                    "max_input_bytes", "max_rollbacks", "max_waiting", "prefill_chunk",
+                    "max_messages", "max_message_bytes", "max_in_flight_per_stream",
+                    "max_in_flight_per_connection", "max_streams", "outbox_max_events",
+                    "slow_reader_grace_s", "keepalive_time_s", "keepalive_timeout_s",
+                    "min_ping_interval_s", "engine_connect_timeout_s", "rules_max_bytes",
+                    "regex_timeout_ms", "rules_debounce_ms")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("FINSIEVE_GPU_MEMORY_UTILIZATION: must be in (0, 1]")
         if self.audit_anchor_interval_s <= 0:
             raise ConfigError("FINSIEVE_AUDIT_ANCHOR_INTERVAL_S: must be positive")
         if self.audit_wait_replicas < 0 or self.audit_wait_timeout_ms <= 0:

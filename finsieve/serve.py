@@ -31,10 +31,14 @@ from finsieve.grpc_server import (
     start_server,
 )
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
-from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
+from finsieve.v1 import chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine's device failed: the process exits non-zero so its supervisor restarts it."""
 
 
 async def serve(settings: Settings) -> None:
@@ -45,6 +49,8 @@ async def serve(settings: Settings) -> None:
     if settings.metrics_port:
         prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
         log.info("metrics serving", address=f"{settings.host}:{settings.metrics_port}")
+    failed = asyncio.Event()  # the engine's device failed
+    servers: list[RunningServer] = []
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
         client = url = None
@@ -56,7 +62,7 @@ async def serve(settings: Settings) -> None:
             officers_process = officers.spawn(settings, url, key)
             stack.callback(officers_process.stop)
         if settings.role in ("all", "engine"):
-            address = await _start_engine(settings, stack)
+            address = await _start_engine(settings, stack, servers, failed)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
         if client is not None:
             audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
@@ -69,30 +75,47 @@ async def serve(settings: Settings) -> None:
             rules = _gateway_rules(settings, key, stack)
             gateway, running = await _start_gateway(settings, engine_addresses, audit, client,
                                                     rules, stack)
+            servers.append(running)
             await _admin(audit, {"event": "server_start", "role": settings.role})
             watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
-            await stop.wait()
+            await _until(stop, failed)
             watch.cancel()
-            await running.set_serving(False)  # load balancers stop sending first
-            log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
-            await gateway.drain(settings.drain_seconds)
+            for s in servers:  # load balancers stop sending first
+                await s.set_serving(False)
+            if not failed.is_set():
+                log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
+                await gateway.drain(settings.drain_seconds)
             await _admin(audit, {"event": "server_stop", "role": settings.role})
             await anchoring.stop()
         else:
-            await stop.wait()
+            await _until(stop, failed)
+            for s in servers:
+                await s.set_serving(False)
+    if failed.is_set():
+        raise EngineStopped("the engine's device failed; exiting so that it is restarted")
     log.info("stopped")
 
 
-async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
+async def _until(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+
+
+async def _start_engine(settings: Settings, stack: AsyncExitStack, servers: list[RunningServer],
+                        failed: asyncio.Event) -> str:
     # Imported here: a gateway-only process never loads torch.
     from finsieve.engine.engine import EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model, resolve_device
-    from finsieve.engine.server import EngineService
+    from finsieve.engine.server import EngineService, add_to_server
 
     device = resolve_device(settings.device)
     model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
     limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
-                          settings.batch_invariant, settings.max_rollbacks)
+                          settings.batch_invariant, settings.max_rollbacks, settings.max_waiting,
+                          settings.prefill_chunk, settings.gpu_memory_utilization,
+                          settings.compile, settings.cuda_graphs)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     holder = None
     if settings.rules:
@@ -100,22 +123,28 @@ async def _start_engine(settings: Settings, stack: AsyncExitStack) -> str:
         engine.policy = lambda: holder.current
     else:
         log.warning("serving without rules (--no-rules): answers are not filtered")
-    thread = threading.Thread(target=engine.run, name="engine-loop", daemon=True)
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        engine.run()
+        if engine.failed.is_set():
+            loop.call_soon_threadsafe(failed.set)
+
+    thread = threading.Thread(target=run, name="engine-loop", daemon=True)
     thread.start()
     stack.callback(thread.join, 10)
     stack.callback(engine.stop)
     host = settings.host if settings.role == "engine" else "127.0.0.1"
     port = settings.engine_port if settings.role == "engine" else 0
-    service = Service(
-        engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
-        EngineService(engine, holder),
-        engine_pb2_grpc.add_EngineServicer_to_server,
-    )
+    service = Service(engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
+                      EngineService(engine, holder), add_to_server)
     running = await start_server(f"{host}:{port}", [service],
                                  server_options(settings, ENGINE_MESSAGE_BYTES, clients=False))
+    servers.append(running)
     stack.push_async_callback(running.server.stop, 1)
     log.info("engine serving", address=f"{host}:{running.port}", model=engine.model_name,
-             device=str(device), max_batch=engine.max_batch, max_context=engine.max_context)
+             device=str(device), max_batch=engine.max_batch, max_context=engine.max_context,
+             mode=engine.mode)
     return f"{host}:{running.port}"
 
 

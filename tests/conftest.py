@@ -145,6 +145,7 @@ class ChatStream:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = chat_pb2_grpc.GatewayStub(self._channel).Chat(self._requests())
         self.events: list = []  # every event received, in order
+        self._counted = 0  # events until_done has accounted for
 
     async def _requests(self):
         while (msg := await self._outbox.get()) is not None:
@@ -181,11 +182,14 @@ class ChatStream:
         """Read until every named request has its terminal event; events per request."""
         from finsieve.client import is_terminal
 
-        waiting = set(request_ids)
+        # Terminal events the test read itself since the last until_done count too.
+        waiting = set(request_ids) - {e.request_id for e in self.events[self._counted:]
+                                      if is_terminal(e)}
         while waiting:
             event = await self.next(timeout)
             if is_terminal(event):
                 waiting.discard(event.request_id)
+        self._counted = len(self.events)
         return {rid: [e for e in self.events if e.request_id == rid] for rid in request_ids}
 
 

@@ -132,6 +132,7 @@ class MaskTables:
         if not self.patterns.keys:
             always_banned = []
         self.always_banned = sorted(always_banned)
+        self._always = dict.fromkeys(self.always_banned, True)
         self._cache: OrderedDict[tuple[str, bytes], list[int]] = OrderedDict()
         self._cache_size = cache_size
 
@@ -170,6 +171,33 @@ class MaskTables:
         keep = self.max_tail
         tail = "".join(matcher.norm.text[-keep:]) if keep else ""
         return self.ban_set(tail, matcher.norm.pending)
+
+    def is_banned(self, matcher: StreamMatcher, token: int) -> bool:
+        """`token in ban_set_for(matcher)`, without building the set: does the token's
+        normalized contribution complete a pattern inside itself? One automaton pass over a
+        short string, for the engine's check of a token sampled before its exact mask was known."""
+        if not self.patterns.keys or token >= len(self.tokens.contrib):
+            return False
+        keep = self.max_tail
+        tail = "".join(matcher.norm.text[-keep:]) if keep else ""
+        pending = matcher.norm.pending
+        if not pending:
+            return self._ends_in(tail, self.tokens.contrib[token])
+        if self._always.get(token, False):
+            return True
+        lead = self.tokens.lead[token]
+        if not lead:
+            return False  # it leaves the pending character broken: only always-banned counts
+        head, still_pending = _contribution(pending + lead)
+        if self._ends_in(tail, head):
+            return True
+        return not still_pending and self._ends_in(_join(tail, head), self.tokens.rest[token])
+
+    def _ends_in(self, live: str, head: str) -> bool:
+        """`_completes`, reading the automaton's iterator to its end (never left half-read)."""
+        text = _join(live, head)  # held while the C iterator reads it
+        ends = [end for end, _ in self.patterns.automaton.iter(text)]
+        return bool(ends) and max(ends) >= len(live)
 
     def ban_set(self, tail: str, pending: bytes = b"") -> list[int]:
         """Sorted ids of the tokens that would complete a pattern after `tail` (+ pending bytes)."""
