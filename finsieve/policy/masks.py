@@ -39,7 +39,7 @@ from pathlib import Path
 from .matcher import StreamMatcher
 from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk
 from .pack import Literals
-from .scripts import accepts, script_tag
+from .scripts import ALNUM, accepts, script_tag
 
 FORMAT = 2
 _CONT = range(0x80, 0xC0)
@@ -287,9 +287,9 @@ class MaskTables:
     def _counting(self, ids: list[int], pattern: str, u_scripts: set[int], k: int, end: int,
                   token_tags: list[bytes]) -> list[int]:
         """Those of `ids` that complete `pattern` as a match that counts (scripts.py): all of
-        them unless the live part has no letter, or only letters of one foreign script."""
+        them unless the live part has no letter or digit, or only letters of one foreign script."""
         scripts = self.patterns.scripts[pattern]
-        if not scripts or len(u_scripts) > 1 or not u_scripts.isdisjoint(scripts):
+        if not scripts or len(u_scripts) > 1 or ALNUM in u_scripts or not u_scripts.isdisjoint(scripts):
             return ids
         head = bytes(u_scripts)
         return [i for i in ids if accepts(scripts, head + token_tags[i][k:end])]

@@ -35,14 +35,15 @@ from functools import lru_cache
 import disarm
 import regex
 
-from .scripts import LATIN, script_tag
+from .scripts import ALNUM, LATIN, script_tag
 
 # Bump when the view changes for the same Unicode data; the data versions are part of it.
 VIEW_VERSION = f"2/unicode-{unicodedata.unidata_version}/confusables-{disarm.CONFUSABLES_VERSION}"
 
 # Printable ASCII without a run of spaces: its normalized form is its lower case.
 _PLAIN_ASCII = re.compile(rb"(?: ?[!-~])+ ?| ")
-_ASCII_TAGS = bytes(LATIN if chr(b).isalpha() else 0 for b in range(128)) + bytes(128)
+_ASCII_TAGS = bytes(LATIN if chr(b).isalpha() else ALNUM if chr(b).isdigit() else 0
+                    for b in range(128)) + bytes(128)
 _INVISIBLE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Mn}\p{Me}]")
 _CJK = regex.compile(r"[\p{scx=Han}\p{scx=Hiragana}\p{scx=Katakana}\p{scx=Bopomofo}]")
 
