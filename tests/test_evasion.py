@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from finsieve.client import chat_request
-from finsieve.policy.matcher import StreamMatcher, scan_text
+from finsieve.policy.matcher import scan_text
 from finsieve.policy.normalize import Normalizer, fold, normalize
 from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2
@@ -44,7 +44,7 @@ VIEW = {
     "bidi overrides and isolates vanish": ("gu\u202ear\u202dan\u2066te\u2069ed\u200f\u061c", "guaranteed"),
     "variation selectors vanish": ("guaranteed\ufe0f \U000e0100returns", "guaranteed returns"),
     "tag characters vanish": ("guaran\U000e0074\U000e0065teed\U000e007f", "guaranteed"),
-    "zero-width characters and fillers vanish": ("g\u200bu\u200ca\u2060r\ufeffa\u00adn\u3164teed", "guaranteed"),
+    "zero-width characters, fillers": ("g\u200bu\u200ca\u2060r\ufeffa\u00adn\u3164teed", "guaranteed"),
     "decorating marks vanish": ("g\u0336u\u0336a\u0301r\u20dda\u0489nteed", "guaranteed"),
     "spaces inside CJK phrases vanish": ("稳 赚\u3000不\u00a0赔 ok 收益 x", "稳赚不赔 ok 收益 x"),
     "dashes read as '-'": ("risk\u2011free 4111\u20131111\u2014x\u2212y", "risk-free 4111-1111-x-y"),
@@ -99,23 +99,24 @@ def test_streamed_view_keeps_exact_raw_offsets(parts, seed):
 
 # -- the default packs through `finsieve rules scan` -----------------------------------------
 
+FAMILY = "promissory-guaranteed-returns-en"
 OUTPUT_EVASIONS = {  # line: (rule, the raw text the match must cover exactly)
-    "We offer guarant\u0435\u0435d returns.": ("promissory-guaranteed-returns-en", "guarant\u0435\u0435d returns"),
+    "We offer guarant\u0435\u0435d returns.": (FAMILY, "guarant\u0435\u0435d returns"),
     "Card 4111.1111.1111.1111 ok": ("payment-card-number", "4111.1111.1111.1111"),
     "It is a risk-free pr\u03bffit.": ("promissory-guarantee-en", "risk-free pr\u03bffit"),
-    "Enjoy g\u057daranteed returns.": ("promissory-guaranteed-returns-en", "g\u057daranteed returns"),
-    "Enjoy guaranteed\x00returns.": ("promissory-guaranteed-returns-en", "guaranteed\x00returns"),
-    "Enjoy guaranteed\x9breturns.": ("promissory-guaranteed-returns-en", "guaranteed\x9breturns"),
-    "Enjoy guar\u202eanteed returns.": ("promissory-guaranteed-returns-en", "guar\u202eanteed returns"),
-    "Enjoy guaranteed\ufe0f returns.": ("promissory-guaranteed-returns-en", "guaranteed\ufe0f returns"),
-    "Enjoy guaran\U000e0074teed returns.": ("promissory-guaranteed-returns-en", "guaran\U000e0074teed returns"),
-    "Enjoy g\u0336u\u0336aranteed returns.": ("promissory-guaranteed-returns-en", "g\u0336u\u0336aranteed returns"),
+    "Enjoy g\u057daranteed returns.": (FAMILY, "g\u057daranteed returns"),
+    "Enjoy guaranteed\x00returns.": (FAMILY, "guaranteed\x00returns"),
+    "Enjoy guaranteed\x9breturns.": (FAMILY, "guaranteed\x9breturns"),
+    "Enjoy guar\u202eanteed returns.": (FAMILY, "guar\u202eanteed returns"),
+    "Enjoy guaranteed\ufe0f returns.": (FAMILY, "guaranteed\ufe0f returns"),
+    "Enjoy guaran\U000e0074teed returns.": (FAMILY, "guaran\U000e0074teed returns"),
+    "Enjoy g\u0336u\u0336aranteed returns.": (FAMILY, "g\u0336u\u0336aranteed returns"),
     "A r\u20ddisk\u2011free profit.": ("promissory-guarantee-en", "r\u20ddisk\u2011free profit"),
     "这个产品稳 赚 不 赔。": ("promissory-guarantee-zh", "稳 赚 不 赔"),
     "保\u3000本\u3000保\u3000息": ("promissory-guarantee-zh", "保\u3000本\u3000保\u3000息"),
     "年化收益率超过 15%。": ("performance-projection-zh", "年化收益率超过 15%"),
     "This fund offers guaranteed financial rewards every year.":
-        ("promissory-guaranteed-returns-en", "guaranteed financial rewards"),
+        (FAMILY, "guaranteed financial rewards"),
     "我们确保您的投资回报。": ("promissory-guaranteed-returns-zh", "确保您的投资回报"),
 }
 INPUT_EVASIONS = {
@@ -190,7 +191,8 @@ def test_clean_corpus_includes_foreign_and_mixed_script_sentences():
 # -- through a running server: the model asked to repeat the evasive spelling ----------------
 
 SERVED = {  # prompt: the evasive text the model repeats when nothing stops it
-    "Cyrillic i in a masked phrase": ('Repeat exactly: "It is a r\u0456sk-free profit"', "r\u0456sk-free profit"),
+    "Cyrillic i in a masked phrase": ('Repeat exactly: "It is a r\u0456sk-free profit"',
+                                      "r\u0456sk-free profit"),
     "Cyrillic o in a masked phrase": ('Repeat exactly: "It is a risk-free pr\u043efit"', "pr\u043efit"),
     "variation selector": ('Repeat exactly: "guaranteed\ufe0f returns"', "\ufe0f returns"),
     "strike-through marks": ('Repeat exactly: "We offer g\u0336u\u0336a\u0336r\u0336anteed returns."',
@@ -218,14 +220,26 @@ def serve(target: str, prompts: dict[str, str], max_tokens: int = 40) -> dict[st
     return asyncio.run(go())
 
 
+def unfiltered(engine, prompts: dict[str, str], max_tokens: int) -> dict[str, list]:
+    """The in-process engine, no rules: every prompt decoded in one batch."""
+    from finsieve.engine.engine import CollectingSink
+
+    sinks = {rid: CollectingSink() for rid in prompts}
+    for rid, prompt in prompts.items():
+        engine.submit(engine.prepare(chat_request(rid, prompt, max_tokens=max_tokens), sinks[rid]))
+    while not all(s.finished for s in sinks.values()):
+        engine.step()
+    return {rid: s.events for rid, s in sinks.items()}
+
+
 def test_served_model_repeating_an_evasive_spelling_never_delivers_it(engine, server):
     ids = {f"r{i}": case for i, case in enumerate(SERVED)}
+    prompts = {rid: SERVED[case][0] for rid, case in ids.items()}
     # Teeth: with no rules, the model does repeat each evasive spelling, and it is a violation.
-    for case in SERVED:
-        prompt, evasive = SERVED[case]
-        unfiltered = text_of(engine.generate(chat_request("z", prompt, max_tokens=40)))
-        assert evasive in unfiltered and blocking_violations(unfiltered), (case, unfiltered)
-    served = serve(server.target, {rid: SERVED[case][0] for rid, case in ids.items()})
+    for rid, events in unfiltered(engine, prompts, 40).items():
+        text = text_of(events)
+        assert SERVED[ids[rid]][1] in text and blocking_violations(text), (ids[rid], text)
+    served = serve(server.target, prompts)
     for rid, events in served.items():
         case = ids[rid]
         delivered = text_of(events)
@@ -239,10 +253,10 @@ def test_served_model_repeating_an_evasive_spelling_never_delivers_it(engine, se
 
 def test_served_input_rules_see_the_same_view(engine, server):
     ids = {f"i{i}": case for i, case in enumerate(SERVED_INPUT)}
-    for prompt in SERVED_INPUT.values():  # teeth: unfiltered, the model answers
-        events = engine.generate(chat_request("z", prompt, max_tokens=8))
+    prompts = {rid: SERVED_INPUT[case] for rid, case in ids.items()}
+    for events in unfiltered(engine, prompts, 8).values():  # teeth: with no rules, it answers
         assert events[-1].finished.usage.completion_tokens > 0
-    served = serve(server.target, {rid: SERVED_INPUT[case] for rid, case in ids.items()}, 8)
+    served = serve(server.target, prompts, 8)
     for rid, events in served.items():
         finished = events[-1].finished
         assert finished.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER, ids[rid]

@@ -26,7 +26,8 @@ EVASIONS = ["guarant\u0435\u0435d returns", "\u0440\u0430y", "\u0440\u0430\u0443
             "p\u0301a\u20ddy", "收益\x00ok", "收益 ｏｋ", "д\u043eход", "d\u043ex\u043ed", "12 вот", "вот",
             "１２\u00a0в\u03bft"]
 FRAGMENTS = [*PATTERNS, *EVASIONS, "GUARANTEED", "Returns", " ", "  ", "\n", "\u200d", "１５％", "年化",
-             "稳赚", "RISK", "\u0435", "\u0430", "\u0440", "\x00", "稳 ", " 赚", "\u3000", "\U000e0041", "\u0301"]
+             "稳赚", "RISK", "\u0435", "\u0430", "\u0440", "\x00", "稳 ", " 赚", "\u3000", "\U000e0041",
+             "\u0301"]
 RULES = RuleSet([Rule("r", "d", "literal", tuple(PATTERNS), "output", "block", "", (), 20,
                       "high", (), "", "test")])
 
