@@ -83,8 +83,9 @@ def synthetic_pack(directory: Path, n_literals: int = 10_000, n_regexes: int = 1
     (directory / "synthetic.yaml").write_text("\n".join(lines) + "\n")
 
 
-def per_token(pack: Pack, tokens: list[bytes]) -> list[int]:
-    m = StreamMatcher(pack.output)
+def per_token(pack: Pack | None, tokens: list[bytes], matcher_cls: type = StreamMatcher) -> list[int]:
+    """Nanoseconds to feed each token to a matcher (or a bare normalizer, given pack None)."""
+    m = matcher_cls(pack.output) if pack is not None else matcher_cls()
     out = []
     for t in tokens:
         start = time.perf_counter_ns()
@@ -132,26 +133,6 @@ def clear_memos(modules: list) -> None:
                 value.cache_clear()
 
 
-def normalizer_per_token(normalizer_cls, tokens: list[bytes]) -> list[int]:
-    n = normalizer_cls()
-    out = []
-    for t in tokens:
-        start = time.perf_counter_ns()
-        n.feed(t)
-        out.append(time.perf_counter_ns() - start)
-    return out
-
-
-def matcher_per_token(pack_obj, matcher_cls, tokens: list[bytes]) -> list[int]:
-    m = matcher_cls(pack_obj.output)
-    out = []
-    for t in tokens:
-        start = time.perf_counter_ns()
-        m.feed(t)
-        out.append(time.perf_counter_ns() - start)
-    return out
-
-
 def before_after(base: SimpleNamespace, synthetic: Path, vocab: list[bytes],
                  tokens: list[bytes]) -> dict:
     """The same measurements with the baseline revision's code and with ours, alternating."""
@@ -163,11 +144,11 @@ def before_after(base: SimpleNamespace, synthetic: Path, vocab: list[bytes],
         packs = {"default packs": mods.pack.Pack.load(rules_dir),
                  "10k literals + 100 regexes": mods.pack.Pack.load(synthetic)}
         for p in packs.values():  # warm-up: per-character memos fill once per pack
-            matcher_per_token(p, mods.matcher.StreamMatcher, tokens[:1000])
-        normalizer_per_token(mods.normalize.Normalizer, tokens)
-        row = {"normalizer": stats_us(normalizer_per_token(mods.normalize.Normalizer, tokens))}
+            per_token(p, tokens[:1000], mods.matcher.StreamMatcher)
+        per_token(None, tokens, mods.normalize.Normalizer)
+        row = {"normalizer": stats_us(per_token(None, tokens, mods.normalize.Normalizer))}
         for name, p in packs.items():
-            row[name] = stats_us(matcher_per_token(p, mods.matcher.StreamMatcher, tokens))
+            row[name] = stats_us(per_token(p, tokens, mods.matcher.StreamMatcher))
         clear_memos(mods.memos)
         table, row["token_table_build_49k_s"] = timed(lambda m=mods: m.masks.TokenTable.build(vocab))
         for name, p in packs.items():
