@@ -7,9 +7,12 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.pack import Pack
+from finsieve.policy.validators import VALIDATORS
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = Pack.load(REPO / "rules")
@@ -70,3 +73,14 @@ def test_mixed_separators_and_a_number_inside_a_longer_run():
     assert spans("v 123-45-6789-1 ok", "us-ssn", 0) == []
     # A number after a full stop or a label is still one.
     assert spans("No.4111.1111.1111.1111.", "payment-card-number", 0) == ["4111.1111.1111.1111"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=40))
+def test_validators_never_raise_on_hostile_text(text):
+    """A rule author's regex can hand a validator anything (superscript digits, Ethiopic
+    numerals, which are digits but not decimal ones): it says no, it does not crash."""
+    for validator in VALIDATORS.values():
+        assert validator(text) in (True, False)
+    for validator in VALIDATORS.values():
+        assert validator("\u00b2" * 16 + "\u1369" * 2) is False
