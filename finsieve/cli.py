@@ -97,12 +97,18 @@ def _parser() -> argparse.ArgumentParser:
     q = audit_parser("query", "records matching filters", _audit_query)
     for flag in ("--rule", "--action", "--user", "--tenant", "--finish-reason", "--request-id"):
         q.add_argument(flag, default="")
+    q.add_argument("--match", default="", metavar="VALUE",
+                   help="records holding VALUE where the trail stores it masked or hashed "
+                        "(e.g. a card number; spaces, dashes and case ignored)")
     q.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
     q.add_argument("--limit", type=int, default=50)
-    show = audit_parser("show", "one record in full", _audit_show, filters=False)
-    show.add_argument("seq", type=int)
-    audit_parser("verify", "check the chain: exit 0 intact, 1 at the first broken record",
-                 _audit_verify)
+    show = audit_parser("show", "a request's records by its audit id (Finished.audit_id), "
+                        "or any record by its seq", _audit_show, filters=False)
+    show.add_argument("seq", type=int, metavar="AUDIT_ID|SEQ")
+    v = audit_parser("verify", "check the chain: exit 0 intact, 1 at the first broken record",
+                     _audit_verify)
+    v.add_argument("--anchors", action="append", default=[], type=Path, metavar="FILE",
+                   help="anchors kept elsewhere (anchor files or log lines); the newest 10,000")
     audit_parser("export", "every record of a time range as JSON lines on stdout", _audit_export)
 
     c = sub.add_parser("chat", help="stream one answer from a gateway")
@@ -295,7 +301,7 @@ def _query(args: argparse.Namespace):
         since_ms=args.since, until_ms=args.until, tenant=getattr(args, "tenant", ""),
         user=getattr(args, "user", ""), rule_id=getattr(args, "rule", ""),
         action=getattr(args, "action", ""), finish_reason=getattr(args, "finish_reason", ""),
-        request_id=getattr(args, "request_id", ""))
+        request_id=getattr(args, "request_id", ""), match=getattr(args, "match", ""))
 
 
 def _audit_query(args: argparse.Namespace) -> int:
@@ -339,26 +345,52 @@ _WIDTHS = (6, 25, 15, 10, 10, 16, 14, 0)
 
 
 def _audit_show(args: argparse.Namespace) -> int:
+    """The record, and when it is a request_started record (an audit id), the record its
+    request finished with."""
     from finsieve.v1 import audit_pb2
 
     async def call(stub) -> int:
         rec = await stub.Get(audit_pb2.AuditGetRequest(seq=args.seq))
-        print(json.dumps(json.loads(rec.json), ensure_ascii=False, indent=2, sort_keys=True))
+        records = [json.loads(rec.json)]
+        if records[0].get("type") == "request_started":
+            page = await stub.Query(audit_pb2.AuditQuery(audit_id=str(args.seq)))
+            records += [json.loads(r.json) for r in page.records]
+        for r in records:
+            print(json.dumps(r, ensure_ascii=False, indent=2, sort_keys=True))
         return 0
 
     return _audit_call(args, call)
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
+    from finsieve.gateway.audit_service import MAX_ANCHORS
     from finsieve.v1 import audit_pb2
 
+    anchors = []
+    for path in args.anchors:
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as e:
+            print(f"finsieve audit verify: --anchors {path}: {e.strerror}", file=sys.stderr)
+            return 2
+        # Anchor files hold only anchors; a log archive holds other lines too.
+        anchors += [line for line in lines if '"record_hmac"' in line]
+    request = audit_pb2.AuditVerifyRequest(since_ms=args.since, until_ms=args.until,
+                                           anchors=anchors[-MAX_ANCHORS:])
+
     async def call(stub) -> int:
-        v = await stub.Verify(audit_pb2.AuditVerifyRequest(since_ms=args.since, until_ms=args.until))
+        v = await stub.Verify(request)
+        anchored = ""
+        if v.anchor_seq:
+            import datetime as dt
+
+            when = dt.datetime.fromtimestamp(v.anchor_ts_ms / 1000, dt.UTC).isoformat(timespec="seconds")
+            anchored = f"; newest anchor: record {v.anchor_seq}, {when}, {v.anchor_writer}"
         if v.ok:
-            print(f"audit trail intact: {v.checked} records checked")
+            print(f"audit trail intact: {v.checked} records checked{anchored}")
             return 0
         print(f"audit trail BROKEN at record {v.first_bad_seq}: {v.reason} "
-              f"({v.checked} records checked before it)")
+              f"({v.checked} records checked before it{anchored})")
         return 1
 
     return _audit_call(args, call)
@@ -366,8 +398,9 @@ def _audit_verify(args: argparse.Namespace) -> int:
 
 def _audit_export(args: argparse.Namespace) -> int:
     async def call(stub) -> int:
-        async for rec in stub.Export(_query(args)):
-            print(json.dumps(json.loads(rec.json), ensure_ascii=False, sort_keys=True))
+        async for page in stub.Export(_query(args)):
+            for rec in page.records:
+                print(rec.json)  # as stored: canonical JSON, sorted keys
         return 0
 
     return _audit_call(args, call)

@@ -48,6 +48,15 @@ class Settings:
     cache_max_bytes: int = _setting(262144, "largest response the cache keeps")
     audit_retention_days: float = _setting(
         0.0, "delete audit records older than this (behind a signed checkpoint); 0 = keep all")
+    audit_anchor_interval_s: float = _setting(
+        1.0, "while records are appended, anchor the chain head outside Redis this often")
+    audit_wait_replicas: int = _setting(
+        0, "acknowledge an audit record only once this many Redis replicas have it (WAIT)")
+    audit_wait_timeout_ms: int = _setting(
+        1000, "how long an audit append waits for those replicas before it fails")
+    audit_page_bytes: int = _setting(
+        4 << 20, "largest page of records an officer's query or export returns at once")
+    audit_nice: int = _setting(10, "CPU niceness of the officers' process (0-19)")
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
     max_batch: int = _setting(8, "sequences decoded together (KV cache slots)")
     max_context: int = _setting(2048, "tokens per sequence, prompt + completion")
@@ -95,6 +104,16 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
+        if self.audit_anchor_interval_s <= 0:
+            raise ConfigError("FINSIEVE_AUDIT_ANCHOR_INTERVAL_S: must be positive")
+        if self.audit_wait_replicas < 0 or self.audit_wait_timeout_ms <= 0:
+            raise ConfigError("FINSIEVE_AUDIT_WAIT_REPLICAS / _TIMEOUT_MS: replicas must not be "
+                              "negative, the timeout must be positive")
+        if not 64 << 10 <= self.audit_page_bytes <= 6 << 20:
+            raise ConfigError("FINSIEVE_AUDIT_PAGE_BYTES: must be between 65536 and 6291456 "
+                              "(a page must fit a gRPC message)")
+        if not 0 <= self.audit_nice <= 19:
+            raise ConfigError("FINSIEVE_AUDIT_NICE: must be between 0 and 19")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError("FINSIEVE_DEFAULT_MAX_TOKENS: must not exceed max_tokens_limit")
         if self.role == "gateway" and not self.engines:

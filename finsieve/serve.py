@@ -7,7 +7,6 @@ import os
 import secrets
 import signal
 import threading
-import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -16,14 +15,16 @@ import redis.asyncio as redis
 import structlog
 
 from finsieve.config import ConfigError, Settings
+from finsieve.gateway import officers
+from finsieve.gateway.anchors import Anchoring, AnchorWriter
 from finsieve.gateway.audit import AuditError, AuditLog
-from finsieve.gateway.audit_service import AuditService
 from finsieve.gateway.cache import ResponseCache
 from finsieve.gateway.engines import EnginePool
+from finsieve.gateway.rules import GatewayPolicy, compile_gateway_policy
 from finsieve.gateway.server import GatewayService
 from finsieve.grpc_server import RunningServer, Service, start_server
-from finsieve.policy.reload import PolicyHolder
-from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
+from finsieve.policy.reload import PolicyHolder, RulesWatcher
+from finsieve.v1 import chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
@@ -39,24 +40,37 @@ async def serve(settings: Settings) -> None:
         log.info("metrics serving", address=f"{settings.host}:{settings.metrics_port}")
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
-        client = None
+        client = url = None
         if settings.role in ("all", "gateway"):
-            # First: valkey-server is forked before gRPC starts its threads.
-            client = await _start_redis(settings, stack)
+            # First: valkey-server and the officers' process are started before gRPC starts
+            # its threads.
+            client, url = await _start_redis(settings, stack)
+            key = _audit_key(settings)
+            officers_process = officers.spawn(settings, url, key)
+            stack.callback(officers_process.stop)
         if settings.role in ("all", "engine"):
             address = await _start_engine(settings, stack)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
         if client is not None:
-            audit = AuditLog(client, _audit_key(settings))
-            gateway, running = await _start_gateway(settings, engine_addresses, audit, client, stack)
+            audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
+                             wait_timeout_ms=settings.audit_wait_timeout_ms)
+            anchoring = Anchoring(audit, AnchorWriter(officers.anchor_dir(settings), "gateway", key),
+                                  settings.audit_anchor_interval_s)
+            anchoring.start()
+            port = await officers_process.ready()
+            log.info("audit service serving", address=f"{settings.audit_host}:{port}")
+            rules = _gateway_rules(settings, key, stack)
+            gateway, running = await _start_gateway(settings, engine_addresses, audit, client,
+                                                    rules, stack)
             await _admin(audit, {"event": "server_start", "role": settings.role})
-            watch = asyncio.create_task(_watch_admin(gateway.engines, audit, settings))
+            watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
             await stop.wait()
             watch.cancel()
             await running.set_serving(False)  # load balancers stop sending first
             log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
             await gateway.drain(settings.drain_seconds)
             await _admin(audit, {"event": "server_stop", "role": settings.role})
+            await anchoring.stop()
         else:
             await stop.wait()
     log.info("stopped")
@@ -114,7 +128,22 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     return holder
 
 
-async def _start_redis(settings: Settings, stack: AsyncExitStack) -> redis.Redis:
+def _gateway_rules(settings: Settings, key: bytes,
+                   stack: AsyncExitStack) -> PolicyHolder[GatewayPolicy] | None:
+    """The gateway's own copy of the rules directory the engines load (cache replay check,
+    masking in the trail), hot-reloaded like theirs."""
+    if not settings.rules:
+        return None
+    directory = Path(settings.rules)
+    policy, version = compile_gateway_policy(directory, key)
+    holder = PolicyHolder(policy, version)
+    watcher = RulesWatcher(directory, holder, lambda d: compile_gateway_policy(d, key))
+    watcher.start()
+    stack.callback(watcher.stop)
+    return holder
+
+
+async def _start_redis(settings: Settings, stack: AsyncExitStack) -> tuple[redis.Redis, str]:
     url = settings.redis_url
     if not url:
         valkey = EmbeddedValkey(settings.state_path / "valkey", settings.appendfsync)
@@ -125,7 +154,7 @@ async def _start_redis(settings: Settings, stack: AsyncExitStack) -> redis.Redis
     client = await connect(url)
     stack.push_async_callback(client.aclose)
     log.info("redis connected", url=redact(url))
-    return client
+    return client, url
 
 
 def _audit_key(settings: Settings) -> bytes:
@@ -146,28 +175,22 @@ def _audit_key(settings: Settings) -> bytes:
 
 async def _start_gateway(
     settings: Settings, engines: list[str], audit: AuditLog, client: redis.Redis,
-    stack: AsyncExitStack,
+    rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
     from finsieve.gateway.validation import Limits
 
     pool = EnginePool(engines)
     stack.push_async_callback(pool.close)
-    cache = ResponseCache(client, settings.cache_ttl_s, settings.cache_max_bytes) \
+    cache = ResponseCache(client, audit, settings.cache_ttl_s, settings.cache_max_bytes) \
         if settings.cache_ttl_s > 0 else None
     gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
-                             audit, cache, settings.audit_fail_open)
+                             audit, cache, settings.audit_fail_open, rules)
     running = await start_server(f"{settings.host}:{settings.port}", [Service(
         chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, gateway,
         chat_pb2_grpc.add_GatewayServicer_to_server)])
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)
     log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines)
-    # Records hold every user's messages: officers get their own listener, loopback by default.
-    officers = await start_server(f"{settings.audit_host}:{settings.audit_port}", [Service(
-        audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name, AuditService(audit),
-        audit_pb2_grpc.add_AuditServiceServicer_to_server)])
-    stack.push_async_callback(officers.server.stop, 1)
-    log.info("audit service serving", address=f"{settings.audit_host}:{officers.port}")
     return gateway, running
 
 
@@ -178,11 +201,9 @@ async def _admin(audit: AuditLog, body: dict) -> None:
         log.error("admin audit event lost", event=body.get("event"), error=str(e))
 
 
-async def _watch_admin(engines: EnginePool, audit: AuditLog, settings: Settings) -> None:
-    """Rule pack loads and rejections (seen through the engines' Info) become admin records;
-    retention trims the trail once an hour."""
+async def _watch_admin(engines: EnginePool, audit: AuditLog) -> None:
+    """Rule pack loads and rejections (seen through the engines' Info) become admin records."""
     seen: dict[str, tuple[int, int]] = {}
-    next_trim = 0.0
     while True:
         for client in engines.clients:
             info = await client.info()
@@ -197,12 +218,4 @@ async def _watch_admin(engines: EnginePool, audit: AuditLog, settings: Settings)
                                      "policy_version": info.policy_version,
                                      "reason": info.last_rejection})
             seen[client.address] = (info.pack_loads, info.pack_rejections)
-        if settings.audit_retention_days > 0 and time.monotonic() >= next_trim:
-            cutoff = int((time.time() - settings.audit_retention_days * 86400) * 1000)
-            try:
-                if trimmed := await audit.trim(cutoff):
-                    log.info("audit trail trimmed", records=trimmed)
-            except (AuditError, redis.RedisError) as e:
-                log.error("audit trim failed", error=str(e))
-            next_trim = time.monotonic() + 3600
         await asyncio.sleep(1.0)

@@ -1,14 +1,19 @@
 """The audit trail: hash-chained records in Redis that compliance officers query and verify.
 
-Every record carries `prev`, the HMAC of the record before it, and `hmac`, the HMAC of its
-own canonical bytes (prev included). A changed field breaks that record's HMAC; a deleted,
-reordered or inserted record breaks a link. Appends from several gateways never fork the
-chain: a Lua script appends only if the head is still the one the record was sealed
-against, and the gateway re-seals and retries otherwise. All keys share one hash tag, so
-on a Redis Cluster the chain lives on one slot.
+Every record carries its sequence number `seq`, `prev` (the HMAC of the record before it)
+and `hmac` (the HMAC of its own canonical bytes, seq and prev included). A changed field
+breaks that record's HMAC; a deleted, reordered or inserted record breaks a link. The
+chain head (newest seq and HMAC) is signed, and each writer anchors it outside Redis
+(`anchors.py`), so deleting the newest records and rewinding the head is detected too.
 
-Trimming (retention) deletes the oldest records and writes a signed checkpoint holding the
-last trimmed record's HMAC, so verification still links across the gap.
+Appends from several gateways never fork the chain: a Lua script appends only if the head
+is still the one the record was sealed against (and never over an existing record), and
+the gateway re-seals and retries otherwise. All keys share one hash tag, so on a Redis
+Cluster the chain lives on one slot.
+
+Retention deletes the oldest records by sequence number, up to the first record younger
+than the period, behind a signed checkpoint: the gateways' clocks never decide which
+records go, so skew between them cannot leave a hole.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,26 +36,43 @@ TAG = "{finsieve-audit}"
 HEAD = f"{TAG}:head"
 TIME = f"{TAG}:time"
 CHECKPOINT = f"{TAG}:checkpoint"
-INDEXED = ("tenant", "user", "rule_id", "action", "finish_reason", "request_id")
+INDEX_PREFIX = f"{TAG}:idx:"
+INDEXED = ("tenant", "user", "rule_id", "action", "finish_reason", "request_id", "audit_id", "match")
+FETCH = 100  # records per Redis round trip when reading
 
 APPEND_SECONDS = Histogram("finsieve_audit_append_seconds", "Audit record appends",
                            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5))
 
+# KEYS: head, time index, the new record, its field indexes. Refuses when the head moved
+# (0) or when the record already exists (-1: the head was rewound; never overwrite).
 _APPEND = """
 local head = redis.call('HMGET', KEYS[1], 'seq', 'hmac')
 local seq = tonumber(head[1]) or 0
 if (head[2] or '') ~= ARGV[1] or seq + 1 ~= tonumber(ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 redis.call('SET', KEYS[3], ARGV[3])
-redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'hmac', ARGV[4])
+redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'hmac', ARGV[4], 'sig', ARGV[6])
 for i = 2, #KEYS do
   if i ~= 3 then redis.call('ZADD', KEYS[i], ARGV[5], ARGV[2]) end
 end
 return 1
 """
 
+# A checkpoint only moves forward, whichever gateway trims first.
+_CHECKPOINT = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local ok, old = pcall(cjson.decode, cur)
+  if not ok or type(old) ~= 'table' or not tonumber(old['through']) then return -1 end
+  if tonumber(old['through']) >= tonumber(ARGV[1]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+
 
 class AuditError(RuntimeError):
-    """The audit trail could not be written (Redis down, or contention that did not clear)."""
+    """The audit trail could not be written (Redis down, contention, a rewound head)."""
 
 
 def record_key(seq: int) -> str:
@@ -58,24 +80,47 @@ def record_key(seq: int) -> str:
 
 
 def index_key(field: str, value: str) -> str:
-    return f"{TAG}:idx:{field}:{value}"
+    return f"{INDEX_PREFIX}{field}:{value}"
 
 
-def canonical(record: dict[str, Any]) -> bytes:
-    """The bytes an HMAC covers: sorted keys, no spaces, UTF-8, without the hmac itself."""
-    body = {k: v for k, v in record.items() if k != "hmac"}
+def derive_key(key: bytes, purpose: str) -> bytes:
+    """A key for one purpose (head, anchors, checkpoints, cache, value hashes) from the
+    audit key, so no MAC made for one purpose is valid for another."""
+    return hmac.new(key, f"finsieve/{purpose}/v1".encode(), hashlib.sha256).digest()
+
+
+def canonical(record: dict[str, Any], without: str = "hmac") -> bytes:
+    """The bytes a MAC covers: sorted keys, no spaces, UTF-8, without the MAC itself."""
+    body = {k: v for k, v in record.items() if k != without}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def seal(key: bytes, record: dict[str, Any]) -> str:
-    return hmac.new(key, canonical(record), hashlib.sha256).hexdigest()
+def seal(key: bytes, record: dict[str, Any], without: str = "hmac") -> str:
+    return hmac.new(key, canonical(record, without), hashlib.sha256).hexdigest()
+
+
+def sealed_ok(key: bytes, record: dict[str, Any], field: str = "hmac") -> bool:
+    mac = record.get(field)
+    return isinstance(mac, str) and hmac.compare_digest(mac, seal(key, record, field))
+
+
+def head_sig(key: bytes, seq: int, mac: str) -> str:
+    return hmac.new(derive_key(key, "head"), f"{seq}:{mac}".encode(), hashlib.sha256).hexdigest()
+
+
+def stored(record: dict[str, Any]) -> str:
+    """How a record is stored and exported: its canonical JSON with the HMAC."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def index_values(record: dict[str, Any]) -> list[tuple[str, str]]:
-    values = [(f, str(record[f])) for f in ("tenant", "user", "finish_reason", "request_id")
-              if record.get(f)]
-    for i in record.get("interventions", []):
-        values += [("rule_id", i["rule_id"]), ("action", i["action"])]
+    """The (field, value) indexes a record belongs to."""
+    values = [(f, str(record[f])) for f in ("tenant", "user", "finish_reason", "request_id",
+                                             "audit_id") if record.get(f)]
+    for i in record.get("interventions") or []:
+        if isinstance(i, dict):
+            values += [("rule_id", str(i.get("rule_id", ""))), ("action", str(i.get("action", "")))]
+    values += [("match", str(h)) for h in record.get("match_hashes") or []]
     return sorted(set(values))
 
 
@@ -89,10 +134,13 @@ class Filters:
     action: str = ""
     finish_reason: str = ""
     request_id: str = ""
+    audit_id: str = ""
+    match: str = ""  # the keyed hash of a value (never the value)
 
     def index(self) -> str:
         """The most selective index the filters allow."""
-        for field in ("request_id", "rule_id", "user", "action", "finish_reason", "tenant"):
+        for field in ("audit_id", "request_id", "match", "rule_id", "user", "action",
+                      "finish_reason", "tenant"):
             if getattr(self, field):
                 return index_key(field, getattr(self, field))
         return TIME
@@ -103,21 +151,64 @@ class Filters:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    ok: bool
-    checked: int
-    first_bad_seq: int = 0
-    reason: str = ""
+class Cursor:
+    """Where a page of a query starts in its index: at time `score`, past the first `skip`
+    entries of that millisecond; `until` is fixed by the first page."""
+
+    score: int
+    skip: int
+    until: int
+
+    def past(self, score: int) -> Cursor:
+        """The cursor just past an entry at `score` read from here."""
+        return Cursor(score, self.skip + 1 if score == self.score else 1, self.until)
+
+    def token(self) -> str:
+        return f"{self.score}.{self.skip}.{self.until}"
+
+    @classmethod
+    def parse(cls, token: str) -> Cursor | None:
+        parts = token.split(".")
+        if len(parts) != 3 or not all(p.isdigit() and len(p) < 20 for p in parts):
+            return None
+        return cls(*map(int, parts))
+
+
+@dataclass(frozen=True)
+class Head:
+    seq: int
+    hmac: str
+    sig: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Records up to `through` were deleted; the first kept one links to `last_hmac`."""
+
+    through: int
+    last_hmac: str
+    ts_ms: int
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class AuditLog:
-    def __init__(self, client: redis.Redis, key: bytes) -> None:
+    def __init__(self, client: redis.Redis, key: bytes, *, wait_replicas: int = 0,
+                 wait_timeout_ms: int = 1000, clock_ms: Callable[[], int] = now_ms) -> None:
         self.redis = client
         self.key = key
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.clock_ms = clock_ms  # only the records' ts_ms; never which records are trimmed
+        self._checkpoint_key = derive_key(key, "checkpoint")
         self._append = client.register_script(_APPEND)
+        self._set_checkpoint = client.register_script(_CHECKPOINT)
         # Appends of one process queue here instead of racing for the head; only appends
         # from other gateway processes can make the compare-and-set retry.
         self._lock = asyncio.Lock()
+        self.last: tuple[int, str] | None = None  # newest (seq, hmac) this process appended
 
     # -- writing ------------------------------------------------------------------------
 
@@ -125,21 +216,36 @@ class AuditLog:
         """Seal and append one record; returns its sequence number. Raises AuditError."""
         async with self._lock:
             with APPEND_SECONDS.time():
-                return await self._append_unlocked(kind, body, deadline_s)
+                seq, mac = await self._append_unlocked(kind, body, deadline_s)
+            self.last = (seq, mac)
+            return seq
 
-    async def _append_unlocked(self, kind: str, body: dict[str, Any], deadline_s: float) -> int:
+    async def _append_unlocked(self, kind: str, body: dict[str, Any],
+                               deadline_s: float) -> tuple[int, str]:
         deadline = time.monotonic() + deadline_s
         try:
             for attempt in itertools.count():
-                seq, prev = await self._head()
-                now = int(time.time() * 1000)
-                record = {"seq": seq + 1, "prev": prev, "type": kind, "ts_ms": now, **body}
+                head = await self.head()
+                if head.seq < 0:
+                    raise AuditError("audit append refused: the chain head is not readable; run "
+                                     "`finsieve audit verify`")
+                seq, now = head.seq + 1, self.clock_ms()
+                record = {**body, "seq": seq, "prev": head.hmac, "type": kind, "ts_ms": now}
                 record["hmac"] = seal(self.key, record)
-                keys = [HEAD, TIME, record_key(seq + 1),
+                keys = [HEAD, TIME, record_key(seq),
                         *(index_key(f, v) for f, v in index_values(record))]
-                args = [prev, seq + 1, json.dumps(record, ensure_ascii=False), record["hmac"], now]
-                if await self._append(keys=keys, args=args):
-                    return seq + 1
+                args = [head.hmac, seq, stored(record), record["hmac"], now,
+                        head_sig(self.key, seq, record["hmac"])]
+                done, acks = await self._run_append(keys, args)
+                if done == 1:
+                    if acks < self.wait_replicas:
+                        raise AuditError(
+                            f"audit record {seq} reached {acks} of {self.wait_replicas} replicas "
+                            f"within {self.wait_timeout_ms} ms (FINSIEVE_AUDIT_WAIT_REPLICAS)")
+                    return seq, record["hmac"]
+                if done == -1:
+                    raise AuditError(f"audit append refused: record {seq} already exists, so the "
+                                     "chain head was rewound; run `finsieve audit verify`")
                 if time.monotonic() > deadline:
                     break
                 # Another gateway appended first: back off with jitter, so none starves.
@@ -148,115 +254,133 @@ class AuditLog:
             raise AuditError(f"audit append failed: {type(e).__name__}: {e}") from None
         raise AuditError("audit append failed: the chain head kept moving (contention)")
 
-    async def _head(self) -> tuple[int, str]:
-        seq, mac = await self.redis.hmget(HEAD, "seq", "hmac")
-        return int(seq or 0), (mac or b"").decode()
+    async def _run_append(self, keys: list[str], args: list[Any]) -> tuple[int, int]:
+        """The append script's answer, and how many replicas acknowledged it. WAIT must go on
+        the connection that wrote (a pipeline); without it, one round trip, as a pipeline
+        holding a script asks Redis whether it has the script first."""
+        if not self.wait_replicas:
+            return await self._append(keys=keys, args=args), 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            await self._append(keys=keys, args=args, client=pipe)
+            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            done, acks = await pipe.execute()
+        return done, acks
+
+    async def head(self) -> Head:
+        seq, mac, sig = await self.redis.hmget(HEAD, "seq", "hmac", "sig")
+        try:
+            number = int(seq or 0)
+        except ValueError:
+            number = -1  # not a number: nothing links to it, verify reports it
+        return Head(number, (mac or b"").decode(errors="replace"), (sig or b"").decode(errors="replace"))
 
     # -- reading ------------------------------------------------------------------------
 
     async def get(self, seq: int) -> dict[str, Any] | None:
         raw = await self.redis.get(record_key(seq))
-        return json.loads(raw) if raw else None
+        return parse(raw)
 
-    async def query(self, f: Filters, limit: int = 50, offset: int = 0
-                    ) -> tuple[list[dict[str, Any]], int | None]:
-        """Records matching the filters, oldest first; and the offset of the next page."""
-        until = f.until_ms or int(time.time() * 1000)
+    async def query(self, f: Filters, limit: int = 50, cursor: Cursor | None = None,
+                    max_bytes: int = 4 << 20) -> tuple[list[dict[str, Any]], Cursor | None]:
+        """Records matching the filters, oldest first, at most `limit` of them and about
+        `max_bytes` (always at least one); and where the next page starts (None: done).
+        Each page costs O(log n) in the index, however deep into it the page is."""
+        cur = cursor or Cursor(f.since_ms, 0, f.until_ms or now_ms())
         out: list[dict[str, Any]] = []
-        pos = offset  # entries of the index consumed so far
+        size = 0
         while True:
-            seqs = await self.redis.zrangebyscore(f.index(), f.since_ms, until,
-                                                  start=pos, num=max(limit, 200))
-            if not seqs:
+            entries = await self.redis.zrangebyscore(f.index(), cur.score, cur.until, start=cur.skip,
+                                                     num=FETCH, withscores=True)
+            if not entries:
                 return out, None
-            for k, raw in enumerate(await self.redis.mget([record_key(int(s)) for s in seqs])):
-                if raw and f.accepts(rec := json.loads(raw)):
+            raws = await self.redis.mget([record_key(int(m)) if m.isdigit() else "-" for m, _ in entries])
+            for (_, score), raw in zip(entries, raws, strict=True):
+                after = cur.past(int(score))
+                rec = parse(raw)
+                if rec is not None and f.accepts(rec):
+                    if out and size + len(raw) > max_bytes:
+                        return out, cur
                     out.append(rec)
-                    if len(out) == limit:
-                        return out, pos + k + 1
-            pos += len(seqs)
+                    size += len(raw)
+                cur = after
+                if len(out) == limit:
+                    return out, cur
 
-    async def export(self, f: Filters) -> AsyncIterator[dict[str, Any]]:
-        offset: int | None = 0
-        while offset is not None:
-            page, offset = await self.query(f, 500, offset)
-            for rec in page:
-                yield rec
+    async def export(self, f: Filters, page: int = 500, max_bytes: int = 4 << 20
+                     ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Every matching record, in pages bounded by count and bytes."""
+        cursor: Cursor | None = None
+        while True:
+            records, cursor = await self.query(f, page, cursor, max_bytes)
+            if records:
+                yield records
+            if cursor is None:
+                return
 
-    # -- verifying ------------------------------------------------------------------------
-
-    async def verify(self, since_ms: int = 0, until_ms: int = 0) -> Verdict:
-        """Check every record in a time range: its HMAC, its link to the one before, its place."""
-        until = until_ms or int(time.time() * 1000)
-        seqs = sorted(int(s) for s in await self.redis.zrangebyscore(TIME, since_ms, until))
-        head_seq, head_mac = await self._head()
-        if not seqs:
-            return Verdict(True, 0)
-        prev_mac = await self._mac_before(seqs[0])
-        expected = seqs[0]
-        checked = 0
-        for start in range(0, len(seqs), 500):
-            chunk = seqs[start : start + 500]
-            raws = await self.redis.mget([record_key(s) for s in chunk])
-            for seq, raw in zip(chunk, raws, strict=True):
-                if seq != expected:
-                    return Verdict(False, checked, expected, f"record {expected} is missing")
-                if raw is None:
-                    return Verdict(False, checked, seq, f"record {seq} is missing")
-                rec = json.loads(raw)
-                if rec.get("seq") != seq:
-                    return Verdict(False, checked, seq,
-                                   f"record {seq} holds record {rec.get('seq')}: moved or swapped")
-                if not hmac.compare_digest(rec.get("hmac", ""), seal(self.key, rec)):
-                    return Verdict(False, checked, seq, f"record {seq} was altered: its HMAC does not match")
-                if prev_mac is not None and rec.get("prev") != prev_mac:
-                    return Verdict(False, checked, seq,
-                                   f"record {seq} does not link to record {seq - 1}: inserted, "
-                                   "deleted or reordered")
-                prev_mac, expected = rec["hmac"], seq + 1
-                checked += 1
-        if until_ms == 0 and expected - 1 == head_seq and prev_mac != head_mac:
-            return Verdict(False, checked, head_seq, "the chain head does not match the last record")
-        if until_ms == 0 and expected - 1 < head_seq:
-            return Verdict(False, checked, expected, f"record {expected} is missing from the time index")
-        return Verdict(True, checked)
-
-    async def _mac_before(self, seq: int) -> str | None:
-        """HMAC the first record of a range must link to (None: cannot be known, not checked)."""
-        if seq == 1:
-            return ""
-        before = await self.get(seq - 1)
-        if before is not None:
-            return before.get("hmac")
-        cp = await self.redis.get(CHECKPOINT)
-        if cp:
-            checkpoint = json.loads(cp)
-            if checkpoint.get("through") == seq - 1 and hmac.compare_digest(
-                    checkpoint.get("hmac", ""), seal(self.key, checkpoint)):
-                return checkpoint["last_hmac"]
-        return None
+    async def records(self, first: int, last: int) -> AsyncIterator[tuple[int, bytes | None]]:
+        """(seq, stored bytes or None) for every seq from first to last, FETCH at a time."""
+        for start in range(first, last + 1, FETCH):
+            chunk = list(range(start, min(start + FETCH, last + 1)))
+            for item in zip(chunk, await self.redis.mget([record_key(s) for s in chunk]), strict=True):
+                yield item
 
     # -- retention ------------------------------------------------------------------------
 
+    async def checkpoint(self) -> Checkpoint | None:
+        """The signed retention checkpoint, None if nothing was ever trimmed.
+        Raises AuditError if it is there but not signed with this key."""
+        raw = await self.redis.get(CHECKPOINT)
+        if raw is None:
+            return None
+        cp = parse(raw)
+        if cp is None or not sealed_ok(self._checkpoint_key, cp, "sig") or not isinstance(
+                cp.get("through"), int) or not isinstance(cp.get("last_hmac"), str):
+            raise AuditError("the retention checkpoint was altered: its signature does not match")
+        return Checkpoint(cp["through"], cp["last_hmac"], cp.get("ts_ms", 0))
+
     async def trim(self, before_ms: int) -> int:
-        """Delete records older than before_ms behind a signed checkpoint; returns how many."""
-        seqs = sorted(int(s) for s in await self.redis.zrangebyscore(TIME, 0, before_ms - 1))
-        if not seqs:
+        """Delete the oldest records, by sequence, up to the first one written at or after
+        before_ms, behind a signed checkpoint; returns how many. The records trimmed are
+        verified first: a broken chain is never hidden behind a checkpoint."""
+        cp = await self.checkpoint()
+        first = cp.through + 1 if cp else 1
+        prev = cp.last_hmac if cp else ""
+        cut = first
+        async for seq, raw in self.records(first, (await self.head()).seq):
+            rec = parse(raw)
+            if rec is None or rec.get("seq") != seq or rec.get("prev") != prev \
+                    or not sealed_ok(self.key, rec):
+                raise AuditError(f"not trimming: record {seq} does not verify "
+                                 "(run `finsieve audit verify`)")
+            if not isinstance(rec.get("ts_ms"), int) or rec["ts_ms"] >= before_ms:
+                break
+            prev, cut = rec["hmac"], seq + 1
+        if cut == first:
             return 0
-        last = await self.get(seqs[-1])
-        if last is None:
-            raise AuditError(f"cannot trim: record {seqs[-1]} is missing")
-        checkpoint = {"through": seqs[-1], "last_hmac": last["hmac"], "ts_ms": int(time.time() * 1000)}
-        checkpoint["hmac"] = seal(self.key, checkpoint)
-        await self.redis.set(CHECKPOINT, json.dumps(checkpoint))
-        for start in range(0, len(seqs), 1000):
-            chunk = seqs[start : start + 1000]
-            records = await self.redis.mget([record_key(s) for s in chunk])
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for seq, raw in zip(chunk, records, strict=True):
+        checkpoint = {"type": "checkpoint", "through": cut - 1, "last_hmac": prev,
+                      "ts_ms": self.clock_ms()}
+        checkpoint["sig"] = seal(self._checkpoint_key, checkpoint, "sig")
+        if await self._set_checkpoint(keys=[CHECKPOINT], args=[cut - 1, stored(checkpoint)]) == -1:
+            raise AuditError("not trimming: the retention checkpoint is not readable")
+        for start in range(first, cut, FETCH):
+            chunk = list(range(start, min(start + FETCH, cut)))
+            raws = await self.redis.mget([record_key(s) for s in chunk])
+            async with self.redis.pipeline(transaction=True) as pipe:
+                for seq, raw in zip(chunk, raws, strict=True):
                     pipe.delete(record_key(seq))
                     pipe.zrem(TIME, seq)
-                    for field, value in index_values(json.loads(raw)) if raw else []:
+                    for field, value in index_values(parse(raw) or {}):
                         pipe.zrem(index_key(field, value), seq)
                 await pipe.execute()
-        return len(seqs)
+        return cut - first
+
+
+def parse(raw: bytes | str | None) -> dict[str, Any] | None:
+    """A stored record, or None when it is absent or not a JSON object (Redis is untrusted)."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None

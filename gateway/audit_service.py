@@ -1,9 +1,14 @@
-"""AuditService: what compliance officers call to query, read, verify and export records."""
+"""AuditService: what compliance officers call to query, read, verify and export records.
+
+It runs in the officers' process (`officers.py`), so reading and parsing large records
+never competes with chat streams for the gateway's event loop.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from google.protobuf import any_pb2
@@ -12,9 +17,14 @@ from grpc_status import rpc_status
 
 from finsieve.v1 import audit_pb2, audit_pb2_grpc
 
-from .audit import AuditLog, Filters
+from .anchors import Anchor, AnchorError, read_anchor
+from .audit import AuditLog, Cursor, Filters, stored
+from .audit_verify import verify
+from .sensitive import canonical_value, value_hash
 
 MAX_PAGE = 1000
+MAX_ANCHORS = 10_000
+EXPORT_PAGE = 500
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, field: str, message: str) -> None:
@@ -28,34 +38,42 @@ async def abort_invalid(context: grpc.aio.ServicerContext, field: str, message: 
 
 
 def _record(rec: dict) -> audit_pb2.AuditRecord:
-    return audit_pb2.AuditRecord(seq=rec["seq"], json=json.dumps(rec, ensure_ascii=False, sort_keys=True))
+    return audit_pb2.AuditRecord(seq=rec["seq"], json=stored(rec))
 
 
 class AuditService(audit_pb2_grpc.AuditServiceServicer):
-    def __init__(self, log: AuditLog) -> None:
+    def __init__(self, log: AuditLog, anchor_dir: Path, page_bytes: int = 4 << 20) -> None:
         self.log = log
+        self.anchor_dir = anchor_dir
+        self.page_bytes = page_bytes
 
     async def _filters(self, q: audit_pb2.AuditQuery, context: grpc.aio.ServicerContext) -> Filters:
         if q.since_ms < 0:
             await abort_invalid(context, "since_ms", "must not be negative")
         if q.until_ms and q.until_ms < q.since_ms:
             await abort_invalid(context, "until_ms", "must not be before since_ms")
+        if q.match and not canonical_value(q.match):
+            await abort_invalid(context, "match", "has no letter or digit to look for")
+        if q.audit_id and not q.audit_id.isdigit():
+            await abort_invalid(context, "audit_id", "not an audit id (the digits of Finished.audit_id)")
         return Filters(q.since_ms, q.until_ms, q.tenant, q.user, q.rule_id, q.action,
-                       q.finish_reason.upper().removeprefix("FINISH_REASON_"), q.request_id)
+                       q.finish_reason.upper().removeprefix("FINISH_REASON_"), q.request_id,
+                       q.audit_id, value_hash(self.log.key, q.match) if q.match else "")
 
     async def Query(self, request: audit_pb2.AuditQuery,
                     context: grpc.aio.ServicerContext) -> audit_pb2.AuditPage:
         filters = await self._filters(request, context)
         if not 0 <= request.page_size <= MAX_PAGE:
             await abort_invalid(context, "page_size", f"must be between 1 and {MAX_PAGE} (0 = 50)")
-        offset = 0
+        cursor = None
         if request.page_token:
-            if not request.page_token.isdigit():
+            cursor = Cursor.parse(request.page_token)
+            if cursor is None:
                 await abort_invalid(context, "page_token", "not a token from a previous page")
-            offset = int(request.page_token)
-        records, next_offset = await self.log.query(filters, request.page_size or 50, offset)
+        records, following = await self.log.query(filters, request.page_size or 50, cursor,
+                                                  self.page_bytes)
         return audit_pb2.AuditPage(records=[_record(r) for r in records],
-                                   next_page_token="" if next_offset is None else str(next_offset))
+                                   next_page_token=following.token() if following else "")
 
     async def Get(self, request: audit_pb2.AuditGetRequest,
                   context: grpc.aio.ServicerContext) -> audit_pb2.AuditRecord:
@@ -68,12 +86,25 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
                      context: grpc.aio.ServicerContext) -> audit_pb2.AuditVerifyResult:
         if request.until_ms and request.until_ms < request.since_ms:
             await abort_invalid(context, "until_ms", "must not be before since_ms")
-        v = await self.log.verify(request.since_ms, request.until_ms)
-        return audit_pb2.AuditVerifyResult(ok=v.ok, checked=v.checked, first_bad_seq=v.first_bad_seq,
-                                           reason=v.reason)
+        if len(request.anchors) > MAX_ANCHORS:
+            await abort_invalid(context, "anchors", f"at most {MAX_ANCHORS} (send the newest)")
+        anchors: list[Anchor] = []
+        for i, line in enumerate(request.anchors):
+            try:
+                anchors.append(read_anchor(self.log.key, json.loads(line), f"anchors[{i}]"))
+            except AnchorError as e:
+                await abort_invalid(context, f"anchors[{i}]", e.reason)
+            except ValueError:
+                await abort_invalid(context, f"anchors[{i}]", "not JSON")
+        v = await verify(self.log, request.since_ms, request.until_ms, anchors, self.anchor_dir)
+        a = v.anchor
+        return audit_pb2.AuditVerifyResult(
+            ok=v.ok, checked=v.checked, first_bad_seq=v.first_bad_seq, reason=v.reason,
+            anchor_seq=a.seq if a else 0, anchor_ts_ms=a.ts_ms if a else 0,
+            anchor_writer=a.writer if a else "")
 
     async def Export(self, request: audit_pb2.AuditQuery,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[audit_pb2.AuditRecord]:
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[audit_pb2.AuditPage]:
         filters = await self._filters(request, context)
-        async for rec in self.log.export(filters):
-            yield _record(rec)
+        async for page in self.log.export(filters, EXPORT_PAGE, self.page_bytes):
+            yield audit_pb2.AuditPage(records=[_record(r) for r in page])

@@ -2,32 +2,56 @@
 
 The key covers everything that decides the answer: tenant, model, policy version, the
 exact messages, every sampling parameter, seed and max tokens. Only greedy requests and
-seeded ones are cacheable. A new policy version is a new key, so an answer made under
-other rules is never served. Redis trouble never fails a request: it is served uncached.
+seeded ones are cacheable. An entry is stored under the model and policy version of its
+own `Started` event, and looked up under those an engine announces for new requests.
+
+Redis is not trusted: an entry is HMAC-signed (a key derived from the audit key) over its
+own Redis key, model, policy version, expiry, the sequence number of the audit record of
+the answer, and the events. On a lookup an entry that is too large, unsigned, corrupt,
+moved from another key, of another model or version, past its expiry, whose audit record
+is missing or altered, or whose text matches an output rule in force, is deleted, counted
+(`finsieve_cache_rejected_total{reason}`), logged, and the request served uncached. Redis
+trouble never fails a request: it is served uncached.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
 import json
+from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as redis
 import structlog
+from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 
+from finsieve.policy.matcher import scan_text
+from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2, engine_pb2
+
+from .audit import AuditLog, derive_key, now_ms, sealed_ok
 
 log = structlog.get_logger(__name__)
 
 LOOKUPS = Counter("finsieve_cache_lookups", "Response cache lookups", ["result"])
+REJECTED = Counter("finsieve_cache_rejected", "Cache entries deleted on lookup", ["reason"])
 PREFIX = "finsieve:cache:"
+_MAC_LEN = 64  # hex SHA-256
+
+
+def cacheable(req: chat_pb2.ChatRequest) -> bool:
+    """Greedy or seeded: the same request gives the same answer."""
+    return req.params.temperature == 0 or req.params.HasField("seed")
 
 
 def cache_key(tenant: str, model: str, policy_version: str, req: chat_pb2.ChatRequest) -> str | None:
     """The key of a deterministic request; None when sampling makes it unrepeatable."""
-    p = req.params
-    if p.temperature != 0 and not p.HasField("seed"):
+    if not cacheable(req):
         return None
+    p = req.params
     canon = {
         "tenant": tenant, "model": model, "policy_version": policy_version,
         "messages": [[m.role, m.content] for m in req.messages],
@@ -38,27 +62,113 @@ def cache_key(tenant: str, model: str, policy_version: str, req: chat_pb2.ChatRe
     return PREFIX + hashlib.sha256(blob.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class CachedAnswer:
+    events: list[chat_pb2.ChatServerMessage]
+    record: dict[str, Any]  # the audit record of the answer replayed
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class ResponseCache:
-    def __init__(self, client: redis.Redis, ttl_s: int, max_bytes: int) -> None:
+    def __init__(self, client: redis.Redis, audit: AuditLog, ttl_s: int, max_bytes: int) -> None:
         self.redis = client
+        self.audit = audit
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
+        self._key = derive_key(audit.key, "cache")
 
-    async def get(self, key: str) -> list[chat_pb2.ChatServerMessage] | None:
+    async def get(self, key: str, model: str, policy_version: str,
+                  rules: Pack | None) -> CachedAnswer | None:
+        """The verified entry, or None (a miss, Redis trouble, or a rejected entry)."""
         try:
-            raw = await self.redis.get(key)
+            # At most max_bytes + 1 bytes: a planted giant value is never read whole.
+            raw = await self.redis.getrange(key, 0, self.max_bytes)
+        except redis.ResponseError:
+            await self._reject(key, "corrupt")  # not a string at all
+            return None
         except (redis.RedisError, OSError) as e:
             LOOKUPS.labels("error").inc()
             log.warning("cache lookup failed; serving uncached", error=type(e).__name__)
             return None
-        LOOKUPS.labels("hit" if raw else "miss").inc()
-        return list(engine_pb2.EngineStep.FromString(raw).events) if raw else None
+        if not raw:
+            LOOKUPS.labels("miss").inc()
+            return None
+        try:
+            events, seq = self._open(key, raw, model, policy_version)
+            record = await self.audit.get(seq)
+            if record is None or not sealed_ok(self.audit.key, record) or record.get("type") != "request" \
+                    or (record.get("model"), record.get("policy_version")) != (model, policy_version):
+                raise _Rejected("audit_record")
+            if rules is not None and scan_text(rules.output, _text(events)):
+                raise _Rejected("rules")
+        except _Rejected as e:
+            await self._reject(key, e.reason)
+            return None
+        except (redis.RedisError, OSError) as e:
+            LOOKUPS.labels("error").inc()
+            log.warning("cache lookup failed; serving uncached", error=type(e).__name__)
+            return None
+        LOOKUPS.labels("hit").inc()
+        return CachedAnswer(events, record)
 
-    async def put(self, key: str, events: list[chat_pb2.ChatServerMessage]) -> None:
-        blob = engine_pb2.EngineStep(events=events).SerializeToString()
+    def _open(self, key: str, raw: bytes, model: str, policy_version: str
+              ) -> tuple[list[chat_pb2.ChatServerMessage], int]:
+        if len(raw) > self.max_bytes:
+            raise _Rejected("oversize")
+        mac, body = raw[:_MAC_LEN], raw[_MAC_LEN:]
+        if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).hexdigest().encode()):
+            raise _Rejected("signature")
+        try:
+            entry = json.loads(body)
+            events = list(engine_pb2.EngineStep.FromString(base64.b64decode(entry["events"])).events)
+            seq, expires = int(entry["audit_seq"]), int(entry["expires_ms"])
+            started, finished = events[0].started, events[-1]
+            fields = (entry["key"], entry["model"], entry["policy_version"])
+        except (ValueError, KeyError, TypeError, IndexError, DecodeError):
+            raise _Rejected("corrupt") from None
+        if events[0].WhichOneof("event") != "started" or finished.WhichOneof("event") != "finished":
+            raise _Rejected("corrupt")
+        if fields[0] != key:
+            raise _Rejected("moved")
+        if (fields[1], fields[2]) != (model, policy_version) or (
+                started.model, started.policy_version) != (model, policy_version):
+            raise _Rejected("version")
+        if expires < now_ms():
+            raise _Rejected("expired")
+        return events, seq
+
+    async def _reject(self, key: str, reason: str) -> None:
+        LOOKUPS.labels("rejected").inc()
+        REJECTED.labels(reason).inc()
+        log.warning("cache entry rejected and deleted; serving uncached", reason=reason,
+                    entry=key.removeprefix(PREFIX)[:16])
+        try:
+            await self.redis.delete(key)
+        except (redis.RedisError, OSError) as e:
+            log.warning("cache entry not deleted", error=type(e).__name__)
+
+    async def put(self, key: str, events: list[chat_pb2.ChatServerMessage], audit_seq: int) -> None:
+        """Store an answer; its Started event says the model and version it was made under."""
+        started = events[0].started
+        entry = {
+            "key": key, "model": started.model, "policy_version": started.policy_version,
+            "expires_ms": now_ms() + 1000 * self.ttl_s, "audit_seq": audit_seq,
+            "events": base64.b64encode(engine_pb2.EngineStep(events=events).SerializeToString()).decode(),
+        }
+        body = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
+        blob = hmac.new(self._key, body, hashlib.sha256).hexdigest().encode() + body
         if len(blob) > self.max_bytes:
             return
         try:
             await self.redis.set(key, blob, ex=self.ttl_s)
         except (redis.RedisError, OSError) as e:
             log.warning("cache store failed", error=type(e).__name__)
+
+
+def _text(events: list[chat_pb2.ChatServerMessage]) -> str:
+    return "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")

@@ -143,12 +143,10 @@ class EnginePool:
                 errors.append(e.message)
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "no engine available: " + "; ".join(errors))
 
-    async def info(self) -> engine_pb2.EngineInfo | None:
-        """What the engine a request would go to runs now (model, policy version)."""
-        for client in sorted(self.clients, key=lambda c: c.in_flight):
-            if (info := await client.info()) is not None:
-                return info
-        return None
+    def status(self) -> engine_pb2.EngineStatus | None:
+        """What a request submitted now would run under, as the engine it would go to last
+        said on its stream (None before that engine's stream is open)."""
+        return min(self.clients, key=lambda c: c.in_flight).status
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))

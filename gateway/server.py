@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
 
 from finsieve.errors import RequestError, invalid
+from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 from .audit import AuditError, AuditLog
-from .cache import ResponseCache, cache_key
+from .cache import CachedAnswer, ResponseCache, cache_key
 from .engines import TERMINAL, EngineClient, EnginePool
 from .outbox import Outbox
+from .rules import GatewayPolicy
 from .trace import Trace
 from .validation import Limits, validate
 
@@ -49,11 +52,13 @@ class _Stream:
 
 class GatewayService(chat_pb2_grpc.GatewayServicer):
     def __init__(self, engines: EnginePool, limits: Limits, audit: AuditLog | None = None,
-                 cache: ResponseCache | None = None, audit_fail_open: bool = False) -> None:
+                 cache: ResponseCache | None = None, audit_fail_open: bool = False,
+                 rules: PolicyHolder[GatewayPolicy] | None = None) -> None:
         self.engines = engines
         self.limits = limits
         self.audit = audit
         self.cache = cache
+        self.rules = rules  # the gateway's own copy: cache replay check, masking in the trail
         self.audit_fail_open = audit_fail_open
         self.draining = False
         self._streams: set[_Stream] = set()
@@ -111,31 +116,36 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             return
         flight = _InFlight(self.engines.new_id())
         stream.in_flight[client_id] = flight
-        trace = Trace(req)
-        key = await self._cache_key(req, trace)
+        policy = self.rules.current if self.rules else None
+        trace = Trace(req, policy.sensitive if policy else None)
 
-        def relay(event: chat_pb2.ChatServerMessage) -> None:
+        def deliver(event: chat_pb2.ChatServerMessage) -> None:
             event.request_id = client_id
-            trace.observe(event)
             if event.HasField("policy_event"):
                 event.policy_event.suppressed = ""  # for the audit trail, never for the client
-            trace.events.append(event)
+            if event.HasField("finished") and trace.audit_id:
+                event.finished.audit_id = str(trace.audit_id)
             stream.out.put(event)
             if event.WhichOneof("event") in TERMINAL:
                 stream.in_flight.pop(client_id, None)
                 _log_outcome(event, trace.started)
-                self._in_background(self._complete(trace, key))
                 stream.close_if_idle(self.draining)
 
-        if key is not None and self.cache is not None and (hit := await self.cache.get(key)):
-            trace.cache_hit = True
-            for event in hit:
-                if event.HasField("started"):
-                    event.started.cache_hit = True
-                relay(event)
-            return
+        def relay(event: chat_pb2.ChatServerMessage) -> None:
+            trace.observe(event)
+            deliver(event)
+            trace.events.append(event)
+            if event.WhichOneof("event") in TERMINAL:
+                self._in_background(self._complete(trace))
+
         try:
-            await self._audit_started(trace)
+            hit = await self._lookup(req, trace, policy)
+            if hit is not None:
+                await self._audit_hit(trace, hit)
+                for event in hit.events:
+                    deliver(event)
+                return
+            trace.audit_id = await self._audit("request_started", trace.started_record)
             internal = chat_pb2.ChatRequest()
             internal.CopyFrom(req)
             internal.request_id = flight.internal_id
@@ -143,39 +153,58 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         except RequestError as e:
             relay(e.to_event(client_id))
 
-    async def _cache_key(self, req: chat_pb2.ChatRequest, trace: Trace) -> str | None:
-        """The cache key under the model and policy version in force now, if cacheable."""
-        if self.cache is None:
+    async def _lookup(self, req: chat_pb2.ChatRequest, trace: Trace,
+                      policy: GatewayPolicy | None) -> CachedAnswer | None:
+        """A verified cached answer under the model and policy version an engine announced for
+        new requests; none while this gateway's own rules are another version (fail closed)."""
+        status = self.engines.status()
+        version = policy.version if policy else "none"
+        if self.cache is None or status is None or status.policy_version != version:
             return None
-        info = await self.engines.info()
-        if info is None:
+        key = cache_key(trace.identity()["tenant"], status.model, version, req)
+        if key is None:
             return None
-        return cache_key(trace.identity()["tenant"], info.model, info.policy_version, req)
+        return await self.cache.get(key, status.model, version, policy.pack if policy else None)
 
-    async def _audit_started(self, trace: Trace) -> None:
-        """The "started" record goes in before any byte is streamed (fail closed by default)."""
+    async def _audit_hit(self, trace: Trace, hit: CachedAnswer) -> None:
+        """A hit's one record goes in before its first byte is replayed: it names the record
+        of the answer it replays and carries that record's interventions."""
+        replay = Trace(trace.request, trace.sensitive, started=trace.started, cache_hit=True)
+        for event in hit.events:
+            if event.HasField("started"):
+                event.started.cache_hit = True
+            replay.observe(event)
+        trace.audit_id = await self._audit("request", lambda: replay.final_record(hit.record))
+
+    async def _audit(self, kind: str, build: Callable[[], dict[str, Any]]) -> int:
+        """Append a record (built off the event loop: masking scans every message) before
+        anything is streamed; fail closed by default. Returns its seq (0: not written)."""
         if self.audit is None:
-            return
+            return 0
         try:
-            await self.audit.append("request_started", trace.started_record())
+            return await self.audit.append(kind, await asyncio.to_thread(build))
         except AuditError as e:
             log.error("audit trail unavailable", error=str(e), fail_open=self.audit_fail_open)
             if not self.audit_fail_open:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    "the audit trail is unavailable; the request was refused") from None
+            return 0
 
-    async def _complete(self, trace: Trace, key: str | None) -> None:
-        """After the terminal event: the full audit record, then the cache entry."""
+    async def _complete(self, trace: Trace) -> None:
+        """After the terminal event: the full audit record, then the cache entry (stored
+        under the model and version of the answer's own Started event)."""
+        seq = 0
         if self.audit is not None:
             try:
-                await self.audit.append("request", trace.final_record())
+                seq = await self.audit.append("request", await asyncio.to_thread(trace.final_record))
             except AuditError as e:
                 log.error("audit record lost", error=str(e))
         t = trace.terminal
-        if (key is not None and self.cache is not None and not trace.cache_hit and t is not None
-                and t.WhichOneof("event") == "finished"
+        if (seq and self.cache is not None and t is not None and t.WhichOneof("event") == "finished"
                 and t.finished.finish_reason != chat_pb2.FINISH_REASON_CANCELLED):
-            await self.cache.put(key, trace.events)
+            key = cache_key(trace.identity()["tenant"], trace.model, trace.policy_version, trace.request)
+            if key is not None:
+                await self.cache.put(key, trace.events, seq)
 
     def _in_background(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -1,4 +1,8 @@
-"""What the gateway saw of one request, turned into its audit record at the end."""
+"""What the gateway saw of one request, turned into its audit records.
+
+Values that rules say to mask or hash (`audit:` in the rule pack) are protected in every
+text a record stores: the messages, the delivered text, the suppressed text.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from prometheus_client import Histogram
 
 from finsieve.v1 import chat_pb2
 
+from .sensitive import Sensitive
+
 IDENTITY = ("tenant", "app", "user")  # metadata keys that identify the caller
 TTFT = Histogram("finsieve_time_to_first_token_seconds", "Request received to first text delivered",
                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
@@ -19,8 +25,10 @@ TTFT = Histogram("finsieve_time_to_first_token_seconds", "Request received to fi
 @dataclass
 class Trace:
     request: chat_pb2.ChatRequest  # as the client sent it
+    sensitive: Sensitive | None = None  # of the gateway's rules; None: stored as sent
     started: float = field(default_factory=time.monotonic)
     first_delta: float | None = None
+    audit_id: int = 0  # seq of the request_started record (a cache hit: of its one record)
     model: str = ""
     policy_version: str = ""
     cache_hit: bool = False
@@ -28,6 +36,7 @@ class Trace:
     interventions: list[dict[str, Any]] = field(default_factory=list)
     terminal: chat_pb2.ChatServerMessage | None = None
     events: list[chat_pb2.ChatServerMessage] = field(default_factory=list)  # as the client got them
+    _messages: tuple[list[dict[str, str]], set[str]] | None = field(default=None, init=False, repr=False)
 
     def identity(self) -> dict[str, str]:
         return {k: self.request.metadata.get(k, "") for k in IDENTITY}
@@ -50,11 +59,21 @@ class Trace:
 
     def started_record(self) -> dict[str, Any]:
         """Written before the first byte is streamed: a crash mid-answer still leaves a trace."""
+        messages, hashes = self._stored_messages()
         return {**self.identity(), "request_id": self.request.request_id,
-                "messages": self._messages(), "params": self._params()}
+                "messages": messages, "params": self._params(), "match_hashes": sorted(hashes)}
 
-    def final_record(self) -> dict[str, Any]:
+    def final_record(self, replayed: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The request's full record. For a cache hit, `replayed` is the record of the answer
+        replayed: the hit names it and carries its interventions."""
         end = time.monotonic()
+        messages, hashes = self._stored_messages()
+        hashes = set(hashes)
+        if replayed is None:
+            interventions = [self._protect(i, hashes) for i in self.interventions]
+        else:
+            interventions = replayed.get("interventions", [])
+            hashes.update(replayed.get("match_hashes", []))
         record: dict[str, Any] = {
             **self.identity(),
             "request_id": self.request.request_id,
@@ -62,9 +81,9 @@ class Trace:
             "model": self.model,
             "policy_version": self.policy_version,
             "params": self._params(),
-            "messages": self._messages(),
-            "delivered": "".join(self.delivered),
-            "interventions": self.interventions,
+            "messages": messages,
+            "delivered": self._text("".join(self.delivered), hashes),
+            "interventions": interventions,
             "cache_hit": self.cache_hit,
             "latency_ms": {
                 "first_delta": round(1000 * (self.first_delta - self.started), 1)
@@ -72,6 +91,10 @@ class Trace:
                 "total": round(1000 * (end - self.started), 1),
             },
         }
+        if replayed is not None:
+            record["replays"] = replayed.get("seq")
+        elif self.audit_id:
+            record["audit_id"] = self.audit_id
         t = self.terminal
         if t is not None and t.WhichOneof("event") == "finished":
             record["finish_reason"] = chat_pb2.FinishReason.Name(
@@ -82,10 +105,25 @@ class Trace:
             record["finish_reason"] = "ERROR"
             record["error"] = {"code": t.error.code, "message": t.error.message,
                                "field": t.error.field}
+        record["match_hashes"] = sorted(hashes)
         return record
 
-    def _messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.request.messages]
+    def _stored_messages(self) -> tuple[list[dict[str, str]], set[str]]:
+        if self._messages is None:
+            hashes: set[str] = set()
+            messages = [{"role": m.role, "content": self._text(m.content, hashes)}
+                        for m in self.request.messages]
+            self._messages = (messages, hashes)
+        return self._messages
+
+    def _text(self, text: str, hashes: set[str]) -> str:
+        return self.sensitive.text(text, hashes) if self.sensitive else text
+
+    def _protect(self, intervention: dict[str, Any], hashes: set[str]) -> dict[str, Any]:
+        if self.sensitive is None or not intervention.get("suppressed"):
+            return intervention
+        return {**intervention, "suppressed": self.sensitive.suppressed(
+            intervention.get("rule_id", ""), intervention["suppressed"], hashes)}
 
     def _params(self) -> dict[str, Any]:
         return json_format.MessageToDict(self.request.params, preserving_proto_field_name=True)

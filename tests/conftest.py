@@ -60,6 +60,17 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
     return server
 
 
+@pytest.fixture
+def valkey(tmp_path: Path):
+    """A real valkey-server of its own (appendfsync always), for one test."""
+    from finsieve.valkey import EmbeddedValkey
+
+    server = EmbeddedValkey(tmp_path / "valkey", appendfsync="always")
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from finsieve.engine.loader import default_model_dir
@@ -170,6 +181,51 @@ class ChatStream:
             if is_terminal(event):
                 waiting.discard(event.request_id)
         return {rid: [e for e in self.events if e.request_id == rid] for rid in request_ids}
+
+
+def run_requests(target: str, requests: list, cancel: str = "") -> dict:
+    """Send requests on one stream (cancel one after its first delta); events per request."""
+    async def go():
+        async with ChatStream(target) as s:
+            for r in requests:
+                s.send(r)
+            if cancel:
+                while not any(e.request_id == cancel and e.WhichOneof("event") == "delta"
+                              for e in s.events):
+                    await s.next()
+                s.cancel(cancel)
+            return await s.until_done(*(r.request_id for r in requests))
+    return asyncio.run(go())
+
+
+def tagged(request_id: str, question: str, **kw):
+    """A request from tenant bank-a's mobile app, user alice."""
+    from finsieve.client import chat_request
+
+    req = chat_request(request_id, question, **kw)
+    req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
+    return req
+
+
+def wait_cached(server: Server, events: list, request) -> None:
+    """Wait until the server's embedded Valkey holds the answer's cache entry: the gateway
+    stores it after the client has the answer."""
+    import json
+
+    import redis
+
+    from finsieve.gateway.cache import cache_key
+
+    port = next(json.loads(line)["port"] for line in server.log().splitlines()
+                if '"embedded valkey started"' in line)
+    started = events[0].started
+    key = cache_key(request.metadata.get("tenant", ""), started.model, started.policy_version, request)
+    with redis.Redis(port=port) as client:
+        for _ in range(1000):
+            if client.exists(key):
+                return
+            time.sleep(0.01)
+    raise AssertionError("the answer was never cached")
 
 
 def text_of(events: list) -> str:

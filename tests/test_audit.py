@@ -16,22 +16,14 @@ import redis.asyncio as redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from finsieve.client import chat_request
 from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
+from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import ChatStream, free_port, start_server, text_of
+from conftest import free_port, run_requests, start_server, tagged, text_of, wait_cached
 
 KEY = b"test-key"
-
-
-@pytest.fixture
-def valkey(tmp_path) -> EmbeddedValkey:
-    server = EmbeddedValkey(tmp_path / "valkey", appendfsync="always")
-    server.start()
-    yield server
-    server.stop()
 
 
 def with_log(valkey: EmbeddedValkey, fn):
@@ -56,8 +48,8 @@ def test_chain_verifies_and_queries_use_the_indexes(valkey):
         await fill(log, 30)
         by_rule, _ = await log.query(Filters(rule_id="card"), limit=100)
         by_user, next_page = await log.query(Filters(user="u1"), limit=5)
-        rest, _ = await log.query(Filters(user="u1"), limit=100, offset=next_page)
-        return await log.verify(), by_rule, by_user + rest
+        rest, _ = await log.query(Filters(user="u1"), limit=100, cursor=next_page)
+        return await verify(log), by_rule, by_user + rest
 
     verdict, by_rule, by_user = with_log(valkey, go)
     assert verdict.ok and verdict.checked == 30
@@ -87,7 +79,7 @@ def test_verify_names_the_exact_broken_record(valkey, tamper):
             from finsieve.gateway.audit import canonical
             forged["hmac"] = h.new(b"guess", canonical(forged), "sha256").hexdigest()
             await client.set(record_key(5), json.dumps(forged))
-        return await log.verify()
+        return await verify(log)
 
     verdict = with_log(valkey, go)
     assert not verdict.ok
@@ -109,7 +101,7 @@ def test_two_gateway_processes_appending_at_once_never_fork_the_chain(valkey):
     assert [p.wait(120) for p in procs] == [0, 0]
 
     async def go(log, client):
-        return await log.verify(), await client.zcard(TIME)
+        return await verify(log), await client.zcard(TIME)
 
     verdict, count = with_log(valkey, go)
     assert verdict.ok and verdict.checked == count == 300
@@ -124,7 +116,7 @@ def test_kill_9_under_appendfsync_always_loses_no_acknowledged_record(valkey, tm
     restarted.start()
     try:
         async def go(log, client):
-            return await log.verify(), await client.zcard(TIME)
+            return await verify(log), await client.zcard(TIME)
 
         verdict, count = with_log(restarted, go)
     finally:
@@ -138,12 +130,12 @@ def test_retention_trims_behind_a_signed_checkpoint(valkey):
         await asyncio.sleep(0.01)  # records 6.. are strictly younger than 1..5
         await fill(log, 5)
         trimmed = await log.trim(json.loads(await client.get(record_key(6)))["ts_ms"])
-        ok = await log.verify()
+        ok = await verify(log)
         first = min(int(s) for s in await client.zrange(TIME, 0, -1))
         rec = json.loads(await client.get(record_key(first)))
         rec["prev"] = "0" * 64
         await client.set(record_key(first), json.dumps(rec))
-        return trimmed, ok, await log.verify(), first
+        return trimmed, ok, await verify(log), first
 
     trimmed, ok, broken, first = with_log(valkey, go)
     assert trimmed == 5 and ok.ok and ok.checked == 5
@@ -166,34 +158,17 @@ def records_for(target: str, request_id: str) -> list[dict]:
     return [json.loads(r.json) for r in page.records]
 
 
-def run_requests(target: str, requests: list[chat_pb2.ChatRequest], cancel: str = "") -> dict:
-    async def go():
-        async with ChatStream(target) as s:
-            for r in requests:
-                s.send(r)
-            if cancel:
-                while not any(e.request_id == cancel and e.WhichOneof("event") == "delta"
-                              for e in s.events):
-                    await s.next()
-                s.cancel(cancel)
-            return await s.until_done(*(r.request_id for r in requests))
-    return asyncio.run(go())
-
-
-def tagged(request_id: str, question: str, **kw) -> chat_pb2.ChatRequest:
-    req = chat_request(request_id, question, **kw)
-    req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
-    return req
-
-
 def test_a_deterministic_answer_is_replayed_from_the_cache(server):
     req = tagged("cache-1", "Name one kind of bond.", max_tokens=12)
     first = run_requests(server.target, [req])["cache-1"]
+    wait_cached(server, first, req)
     req.request_id = "cache-2"
     second = run_requests(server.target, [req])["cache-2"]
     assert not first[0].started.cache_hit and second[0].started.cache_hit
     assert text_of(second) == text_of(first) != ""
-    assert second[-1].finished == first[-1].finished
+    assert (second[-1].finished.finish_reason, second[-1].finished.usage) == \
+        (first[-1].finished.finish_reason, first[-1].finished.usage)
+    assert "" != second[-1].finished.audit_id != first[-1].finished.audit_id
     (record,) = records_for(server.audit_target, "cache-2")
     assert record["cache_hit"] is True and record["delivered"] == text_of(first)
     sampled = tagged("cache-3", "Name one kind of bond.", max_tokens=12, temperature=0.9)
@@ -216,8 +191,9 @@ def test_every_finish_reason_leaves_a_complete_record(server):
         assert started["type"] == "request_started" and final["type"] == "request"
         assert started["seq"] < final["seq"]
         assert (final["tenant"], final["app"], final["user"]) == ("bank-a", "mobile", "alice")
-        assert final["messages"] == [{"role": "user", "content": reqs[[r.request_id for r in reqs]
-                                                                      .index(rid)].messages[0].content}]
+        asked = next(r for r in reqs if r.request_id == rid).messages[0].content
+        stored = asked.replace("4111 1111 1111 1111", "4111 11** **** 1111")  # masked
+        assert final["messages"] == started["messages"] == [{"role": "user", "content": stored}]
         assert final["model"] == "SmolLM2-135M-Instruct" and final["policy_version"]
         assert final["delivered"] == text_of(events[rid])
         assert final["usage"]["completion_tokens"] == events[rid][-1].finished.usage.completion_tokens
@@ -230,7 +206,7 @@ def test_every_finish_reason_leaves_a_complete_record(server):
     assert halted[0]["suppressed"] == "give me some insider tips"
     redacted = records_for(server.audit_target, "fin-redact")[1]["interventions"]
     assert {"rule_id": "payment-card-number", "action": "redact", "scope": "input",
-            "suppressed": "4111 1111 1111 1111"}.items() <= redacted[0].items()
+            "suppressed": "4111 11** **** 1111"}.items() <= redacted[0].items()
     # The client never saw the suppressed text.
     assert all(e.policy_event.suppressed == "" for e in events["fin-filter"]
                if e.WhichOneof("event") == "policy_event")
@@ -243,8 +219,8 @@ def test_audit_cli_and_service(server):
                               timeout=60)
 
     run_requests(server.target, [tagged("cli-audit", "Say hi.", max_tokens=4)])
-    verify = cli("verify")
-    assert verify.returncode == 0 and "intact" in verify.stdout
+    verified = cli("verify")
+    assert verified.returncode == 0 and "intact" in verified.stdout
     rows = [json.loads(line) for line in cli("query", "--request-id", "cli-audit", "--format",
                                              "jsonl").stdout.splitlines()]
     assert [r["type"] for r in rows] == ["request_started", "request"]
@@ -265,6 +241,18 @@ def test_audit_cli_and_service(server):
     with pytest.raises(grpc.aio.AioRpcError) as public:  # never on the apps' port
         audit_stub(server.target, lambda s: s.Query(audit_pb2.AuditQuery()))
     assert public.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    anchors = server.log_path.parent / "state" / "anchors" / "gateway.jsonl"
+    for _ in range(100):  # the gateway anchors its appends within a second
+        if anchors.exists():
+            break
+        time.sleep(0.1)
+    checked = cli("verify", "--anchors", str(anchors))
+    assert checked.returncode == 0 and "newest anchor: record" in checked.stdout
+    forged = json.loads(anchors.read_text().splitlines()[-1])
+    forged["seq"] += 1
+    (server.log_path.parent / "forged.jsonl").write_text(json.dumps(forged) + "\n")
+    refused = cli("verify", "--anchors", str(server.log_path.parent / "forged.jsonl"))
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: anchors[0]: anchor not signed" in refused.stderr
     missing = cli("show", "999999999")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "Traceback" not in missing.stderr
 
@@ -292,6 +280,7 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
     try:
         req = tagged("inv-1", "Name one kind of bond.", max_tokens=8)
         first = run_requests(srv.target, [req])["inv-1"]
+        wait_cached(srv, first, req)
         req.request_id = "inv-2"
         assert run_requests(srv.target, [req])["inv-2"][0].started.cache_hit
         (rules / "new.yaml").write_text("rules:\n  - id: x\n    description: d\n    kind: literal\n"

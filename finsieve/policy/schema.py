@@ -21,6 +21,9 @@ KINDS = ("literal", "regex")
 SCOPES = ("input", "output", "both")
 ACTIONS = ("block", "redact", "rewrite", "halt")
 SEVERITIES = ("low", "medium", "high", "critical")
+# How the audit trail stores what a rule matched: as is, masked (plus a keyed hash an officer
+# can search by), or as the keyed hash alone. Redacted identifiers are masked by default.
+AUDIT_MODES = ("keep", "mask", "hash")
 REGEX_FLAGS = regex.IGNORECASE | regex.UNICODE
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 _DEFINITION_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -42,6 +45,7 @@ class Rule:
     locales: tuple[str, ...]
     message: str
     source: str  # "file:line" of the rule, for messages
+    audit: str = "keep"  # one of AUDIT_MODES
 
     @property
     def applies_to_output(self) -> bool:
@@ -171,7 +175,7 @@ def _scalar(node: yaml.Node) -> Any:
 
 _FIELDS = {
     "id", "description", "kind", "patterns", "scope", "action", "replacement", "validators",
-    "max_span", "severity", "locales", "enabled", "message",
+    "max_span", "severity", "locales", "enabled", "message", "audit",
 }
 
 
@@ -228,6 +232,7 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
     scope = choice("scope", SCOPES, "output")
     action = choice("action", ACTIONS)
     severity = choice("severity", SEVERITIES, "medium")
+    audit = choice("audit", AUDIT_MODES, "mask" if action == "redact" else "keep")
     patterns = strings("patterns", required=True)
     if patterns == []:
         problem("patterns", "empty: give at least one pattern")
@@ -285,7 +290,7 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
         id=rule_id, description=description, kind=kind, patterns=tuple(compiled), scope=scope,
         action=action, replacement=replacement, validators=tuple(validators),
         max_span=int(max_span or 0), severity=severity, locales=tuple(locales), message=message,
-        source=f"{file}:{_line(node)}",
+        source=f"{file}:{_line(node)}", audit=audit,
     ), rule_id
 
 

@@ -1,0 +1,165 @@
+"""The officers' process: the AuditService on its own listener, event loop, Redis connection
+and a lower CPU priority (`FINSIEVE_AUDIT_NICE`), so that reading, parsing and exporting
+large records never competes with chat streams for the gateway's event loop (nor, with
+the niceness, for the CPU). Retention runs here too, and records each trim in the trail;
+what this process appends it anchors in its own file.
+
+The gateway starts it with `spawn` and hands it the settings, the Redis URL and the audit
+key on its stdin (never in its environment or arguments); it dies with the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import redis.asyncio as redis
+import structlog
+
+from finsieve.config import Settings
+from finsieve.grpc_server import Service, start_server
+from finsieve.v1 import audit_pb2, audit_pb2_grpc
+
+from .anchors import Anchoring, AnchorWriter
+from .audit import AuditError, AuditLog
+from .audit_service import AuditService
+
+log = structlog.get_logger(__name__)
+
+RETENTION_EVERY_S = 3600.0
+
+
+class OfficersError(OSError):
+    """The officers' process did not come up; the message says why."""
+
+
+def anchor_dir(settings: Settings) -> Path:
+    return settings.state_path / "anchors"
+
+
+class Officers:
+    """The running officers' process, seen from the gateway."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    async def ready(self, timeout: float = 60.0) -> int:
+        """Its listener's port once it serves. Raises OfficersError."""
+        assert self.process.stdout is not None
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(self.process.stdout.readline), timeout)
+        except TimeoutError:
+            self.stop()
+            raise OfficersError(f"the officers' AuditService did not start within {timeout:g} s") from None
+        try:
+            reply = json.loads(line) if line else {}
+        except ValueError:
+            reply = {}
+        if isinstance(reply, dict) and isinstance(reply.get("port"), int):
+            return reply["port"]
+        self.stop()
+        why = reply.get("error") if isinstance(reply, dict) else None
+        raise OfficersError(f"the officers' AuditService did not start: {why or 'it exited'}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+
+
+def spawn(settings: Settings, redis_url: str, key: bytes) -> Officers:
+    """Start the officers' process (before gRPC starts threads in this one)."""
+    env = {k: v for k, v in os.environ.items() if k != "FINSIEVE_AUDIT_KEY"}
+    process = subprocess.Popen([sys.executable, "-m", "finsieve.gateway.officers"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert process.stdin is not None
+    config = {"settings": dataclasses.asdict(settings), "redis_url": redis_url, "key": key.hex(),
+              "parent": os.getpid()}
+    process.stdin.write(json.dumps(config).encode() + b"\n")
+    process.stdin.flush()  # and left open: its end tells the child the gateway is gone
+    return Officers(process)
+
+
+# -- the child --------------------------------------------------------------------------
+
+
+async def _serve(settings: Settings, redis_url: str, key: bytes) -> None:
+    from finsieve.valkey import connect
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)),
+                     name="parent-watch", daemon=True).start()
+    client = await connect(redis_url)
+    audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
+                     wait_timeout_ms=settings.audit_wait_timeout_ms)
+    anchoring = Anchoring(audit, AnchorWriter(anchor_dir(settings), "officers", key),
+                          settings.audit_anchor_interval_s)
+    anchoring.start()
+    service = AuditService(audit, anchor_dir(settings), settings.audit_page_bytes)
+    running = await start_server(f"{settings.audit_host}:{settings.audit_port}", [Service(
+        audit_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name, service,
+        audit_pb2_grpc.add_AuditServiceServicer_to_server)])
+    print(json.dumps({"port": running.port}), flush=True)
+    log.info("audit service serving", address=f"{settings.audit_host}:{running.port}",
+             pid=os.getpid(), nice=os.nice(0))
+    retention = asyncio.create_task(_retain(audit, settings.audit_retention_days))
+    await stop.wait()
+    retention.cancel()
+    await running.server.stop(1)
+    await anchoring.stop()
+    await client.aclose()
+
+
+async def _retain(audit: AuditLog, days: float) -> None:
+    """Once an hour: trim records older than `days`, by sequence (0: keep everything)."""
+    while days > 0:
+        try:
+            if trimmed := await audit.trim(int((time.time() - days * 86400) * 1000)):
+                log.info("audit trail trimmed", records=trimmed)
+                await audit.append("admin", {"event": "audit_trimmed", "records": trimmed,
+                                             "retention_days": days})
+        except (AuditError, redis.RedisError) as e:
+            log.error("audit trim failed", error=str(e))
+        await asyncio.sleep(RETENTION_EVERY_S)
+
+
+def main() -> int:
+    from finsieve import logs
+    from finsieve.valkey import _die_with_parent
+
+    config = json.loads(sys.stdin.readline())
+    settings = Settings.load(config["settings"], env={})
+    logs.configure(settings.log_format, settings.log_level)
+    if platform.system() == "Linux":
+        _die_with_parent()
+    if os.getppid() != config["parent"]:
+        return 1  # the gateway died before we could tie our life to it
+    os.nice(settings.audit_nice)
+    try:
+        asyncio.run(_serve(settings, config["redis_url"], bytes.fromhex(config["key"])))
+    except Exception as e:  # one line for the gateway's start-up error; no stack trace
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

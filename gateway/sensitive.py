@@ -1,0 +1,82 @@
+"""What the audit trail stores of a value a rule matched: per rule `audit: keep | mask | hash`.
+
+`mask` replaces every letter and digit by `*`, except a payment card's first 6 and last 4
+digits (PCI DSS 3.4); `hash` stores `[hash:…]` alone. Both add the value's keyed hash to
+the record's `match_hashes`, which is indexed, so `audit query --match VALUE` finds it
+without the trail ever holding the value. The hash ignores spaces, punctuation and case
+(NFKC, case-folded, letters and digits only): `4111-1111-1111-1111` and
+`4111 1111 1111 1111` are the same value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import unicodedata
+
+from finsieve.policy.matcher import scan_text
+from finsieve.policy.pack import Pack, RuleSet
+from finsieve.policy.schema import Rule
+
+from .audit import derive_key
+
+
+def canonical_value(value: str) -> str:
+    return "".join(c for c in unicodedata.normalize("NFKC", value).casefold() if c.isalnum())
+
+
+def value_hash(key: bytes, value: str) -> str:
+    """The keyed hash an officer's `--match VALUE` is compared by (key: the audit key)."""
+    return hmac.new(derive_key(key, "match"), canonical_value(value).encode(),
+                    hashlib.sha256).hexdigest()[:32]
+
+
+def _masked(rule: Rule, value: str) -> str:
+    if "luhn" in rule.validators:  # a card number: first 6 and last 4 digits stay
+        digits = sum(c.isdigit() for c in value)
+        out, seen = [], 0
+        for c in value:
+            if c.isdigit():
+                out.append(c if seen < 6 or seen >= digits - 4 else "*")
+                seen += 1
+            else:
+                out.append(c)
+        return "".join(out)
+    return "".join("*" if c.isalnum() else c for c in value)
+
+
+class Sensitive:
+    """Protects stored text according to the rules of one pack."""
+
+    def __init__(self, pack: Pack, key: bytes) -> None:
+        self.rules = RuleSet([r for r in pack.rules if r.audit != "keep"])
+        self.by_id = {r.id: r for r in pack.rules}
+        self.key = key
+
+    def _protect(self, rule: Rule, value: str, hashes: set[str]) -> str:
+        h = value_hash(self.key, value)
+        hashes.add(h)
+        return f"[hash:{h}]" if rule.audit == "hash" else _masked(rule, value)
+
+    def text(self, text: str, hashes: set[str]) -> str:
+        """`text` with every value a mask/hash rule matches protected; their hashes added."""
+        if not self.rules or not text:
+            return text
+        raw = text.encode()
+        parts, pos = [], 0
+        for m in sorted(scan_text(self.rules, text), key=lambda m: m.start):
+            if m.start < pos:
+                continue  # overlaps a span already protected
+            parts.append(raw[pos : m.start].decode("utf-8", "replace"))
+            parts.append(self._protect(m.rule, raw[m.start : m.end].decode("utf-8", "replace"), hashes))
+            pos = m.end
+        parts.append(raw[pos:].decode("utf-8", "replace"))
+        return "".join(parts)
+
+    def suppressed(self, rule_id: str, text: str, hashes: set[str]) -> str:
+        """The text a rule suppressed: protected as a whole by its own rule's mode, or
+        scanned like any text when that rule keeps what it matched."""
+        rule = self.by_id.get(rule_id)
+        if rule is not None and rule.audit != "keep" and text:
+            return self._protect(rule, text, hashes)
+        return self.text(text, hashes)
