@@ -21,6 +21,7 @@ from typing import NamedTuple
 from .normalize import Normalizer
 from .pack import RuleSet
 from .schema import Rule
+from .scripts import accepts
 from .validators import VALIDATORS
 
 
@@ -40,6 +41,7 @@ class _Checkpoint(NamedTuple):
     pending: bytes
     n_norm: int
     last_end: int
+    space: tuple[int, int] | None
     depth: int
     in_making: tuple[tuple[int, int], ...]
     n_matches: int
@@ -77,9 +79,13 @@ class StreamMatcher:
         return found
 
     def finish(self) -> list[Match]:
-        """The stream ended: settle regex matches that were waiting for more text."""
+        """The stream ended: settle the held space and regex matches waiting for more text."""
         found: list[Match] = []
-        self._regexes(found, "", final=True)
+        new = self.norm.flush()
+        if new:
+            self._window = (self._window + new)[-self._window_len :]
+            self._literals(new, found)
+        self._regexes(found, new, final=True)
         self.depth = 0
         return found
 
@@ -91,12 +97,13 @@ class StreamMatcher:
 
     @property
     def safe_point(self) -> int:
-        """Raw byte offset before which text is final; pending UTF-8 bytes count as held back."""
+        """Raw byte offset before which text is final; pending UTF-8 bytes and a held space
+        count as held back."""
         n = len(self.norm.text)
         first_unsafe = min(n - self.depth, min(self._in_making.values(), default=n))
         if first_unsafe < n:
             return self.norm.raw_start[first_unsafe]
-        return self.norm.decoded_len
+        return self.norm.settled
 
     @property
     def tokens(self) -> int:
@@ -121,7 +128,7 @@ class StreamMatcher:
         cp = self._checkpoints[tokens]
         del self._checkpoints[tokens + 1 :]
         del self.raw[cp.raw_len :]
-        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end)
+        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end, cp.space)
         del self.matches[cp.n_matches :]
         self.depth = cp.depth
         self._in_making = dict(cp.in_making)
@@ -160,9 +167,12 @@ class StreamMatcher:
             self._it = automaton.iter(new)
         else:
             self._it.set(new, False)
+        scripts = self.rules.literals.scripts
         for end, (pattern, owners) in self._it:
             end_excl = self._it_base + end + 1
             start = end_excl - len(pattern)
+            if not accepts(scripts[pattern], self.norm.tags[start:end_excl]):
+                continue  # genuinely foreign text that happens to look like the pattern
             for rule in owners:
                 found.append(self._match(rule, start, end_excl))
         keep = self.rules.literals.max_len - 1
@@ -227,11 +237,12 @@ class StreamMatcher:
                 pos = s + 1
                 continue
             text = window[s - base : e - base]
-            if all(VALIDATORS[v](text) for v in r.rule.validators):
+            if accepts(r.scripts, self.norm.tags[s:e]) and all(
+                    VALIDATORS[v](text) for v in r.rule.validators):
                 found.append(self._match(r.rule, s, e))
                 pos = e
             else:
-                pos = s + 1  # not a real identifier; a match may still start later
+                pos = s + 1  # not a real identifier, or foreign text; one may start later
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -255,6 +266,7 @@ class StreamMatcher:
             pending=norm.pending,
             n_norm=len(norm.text),
             last_end=norm.raw_end[-1] if norm.raw_end else 0,
+            space=norm.space,
             depth=self.depth,
             in_making=tuple(self._in_making.items()),
             n_matches=len(self.matches),
