@@ -5,9 +5,10 @@ byte offset before which no match can start any more. Everything before it may b
 released to the client; the rest is held back. It keeps a checkpoint per token, so a
 rollback (SAR) to an earlier token is cheap.
 
-Literals: a pyahocorasick iterator fed the new normalized characters, plus the depth of
-the longest live suffix (the longest suffix of the text that still begins a pattern).
-pyahocorasick keeps no restorable state, so a rollback re-feeds the last few characters.
+Literals: pyahocorasick run over the new normalized characters and the few before them that
+a match ending in them could begin with, plus the depth of the longest live suffix (the
+longest suffix of the text that still begins a pattern). So a rollback only restores that
+tail.
 Regexes: searched with partial matching over a bounded window; a complete match that
 could still grow into a longer one (the rest of the text is a prefix of a match from the
 same start) is held until it is settled.
@@ -57,8 +58,6 @@ class StreamMatcher:
         self._tail = ""  # the last characters of the normalized text, for literal depth
         self._window = ""  # … and enough of them for every regex (see _regexes)
         self._window_len = rules.max_regex_span + 16
-        self._it = None
-        self._it_base = 0  # normalized index of the iterator's position 0
         # Regex index -> where its earliest match still in the making starts. A regex that
         # is not here has no match starting before the end of the text.
         self._in_making: dict[int, int] = {}
@@ -135,13 +134,6 @@ class StreamMatcher:
         keep = max(self.rules.literals.max_len - 1, 0)
         self._tail = "".join(self.norm.text[-keep:]) if keep else ""
         self._window = "".join(self.norm.text[-self._window_len :])
-        self._it = None
-        if self.rules.literals.automaton is not None and self._tail:
-            # Re-feed the suffix that decides the automaton's state; its matches are old.
-            self._it_base = cp.n_norm - len(self._tail)
-            self._it = self.rules.literals.automaton.iter(self._tail)
-            for _ in self._it:
-                pass
 
     def render(self, start: int, end: int) -> str:
         """Raw text between byte offsets, with every redact/rewrite match replaced."""
@@ -161,15 +153,17 @@ class StreamMatcher:
         automaton = self.rules.literals.automaton
         if automaton is None:
             return
-        n = len(self.norm.text)
-        if self._it is None:
-            self._it_base = n - len(new)
-            self._it = automaton.iter(new)
-        else:
-            self._it.set(new, False)
+        # A match that ends in the new text begins at most max_len - 1 characters before
+        # it, in the tail. Each feed scans tail + new with a fresh iterator: pyahocorasick's
+        # `iter.set()` frees memory it does not own when the strings fed to one iterator
+        # differ in width (an emoji, then ASCII), which crashed the engine for everyone.
+        text = self._tail + new
+        base = len(self.norm.text) - len(text)
         scripts = self.rules.literals.scripts
-        for end, (pattern, owners) in self._it:
-            end_excl = self._it_base + end + 1
+        for end, (pattern, owners) in automaton.iter(text):
+            if end < len(self._tail):
+                continue  # ended in the tail: reported when that text was fed
+            end_excl = base + end + 1
             start = end_excl - len(pattern)
             if not accepts(scripts[pattern], self.norm.tags[start:end_excl]):
                 continue  # genuinely foreign text that happens to look like the pattern
