@@ -1,26 +1,38 @@
 """Rules-engine benchmark: matcher cost per token, mask cost, table builds, compile, reload.
 
-    .venv/bin/python bench/bench_rules.py [--tokens 4000]
+    .venv/bin/python bench/bench_rules.py [--tokens 4000] [--baseline main]
 
 Realistic text is the clean corpus plus forbidden phrases, tokenized by the default
-model's tokenizer. The baseline, run side by side, is the naive way: after every token,
-normalize the whole text so far and search it with every pattern. Prints a table and
+model's tokenizer. Two baselines run side by side: the naive way (after every token,
+normalize the whole text so far and search it with every pattern), and the policy package
+and default packs of another git revision (`--baseline`, loaded from git into a temporary
+package) on the same tokens: the normalized view's cost before and after. Prints tables and
 writes bench/results/rules.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import disarm
 from transformers import AutoTokenizer
 
 from finsieve.engine.tokens import token_byte_table
+from finsieve.policy import masks as our_masks
+from finsieve.policy import matcher as our_matcher
+from finsieve.policy import normalize as our_normalize
+from finsieve.policy import pack as our_pack
+from finsieve.policy import scripts as our_scripts
 from finsieve.policy.masks import MaskTables, TokenTable
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.normalize import normalize
@@ -55,7 +67,7 @@ def realistic_tokens(tokenizer, vocab: list[bytes], n: int) -> list[bytes]:
 def synthetic_pack(directory: Path, n_literals: int = 10_000, n_regexes: int = 100) -> None:
     rng = random.Random(1)
     words = sorted({w.strip(".,;:!?()").lower() for ln in (REPO / "tests/data/clean_corpus.txt")
-                    .read_text().split() for w in [ln] if w.isascii() and len(w) > 2})
+                    .read_text().split() for w in [ln] if w.isascii() and w.isalpha() and len(w) > 2})
     literals = sorted({" ".join(rng.choice(words) for _ in range(rng.randint(2, 4)))
                        for _ in range(n_literals * 2)})[:n_literals]
     lines = ["rules:"]
@@ -71,8 +83,9 @@ def synthetic_pack(directory: Path, n_literals: int = 10_000, n_regexes: int = 1
     (directory / "synthetic.yaml").write_text("\n".join(lines) + "\n")
 
 
-def per_token(pack: Pack, tokens: list[bytes]) -> list[int]:
-    m = StreamMatcher(pack.output)
+def per_token(pack: Pack | None, tokens: list[bytes], matcher_cls: type = StreamMatcher) -> list[int]:
+    """Nanoseconds to feed each token to a matcher (or a bare normalizer, given pack None)."""
+    m = matcher_cls(pack.output) if pack is not None else matcher_cls()
     out = []
     for t in tokens:
         start = time.perf_counter_ns()
@@ -93,6 +106,80 @@ def naive_per_token(pack: Pack, tokens: list[bytes], limit: int) -> list[int]:
         text = normalize(raw.decode("utf-8", "ignore"))
         _ = [p for p in literals if p in text] + [r for r in regexes if r.search(text)]
         out.append(time.perf_counter_ns() - start)
+    return out
+
+
+def load_revision(ref: str, into: Path) -> SimpleNamespace:
+    """The policy package and default packs of a git revision, importable beside ours."""
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True).stdout
+
+    package = into / "baseline_policy"
+    for folder, target in (("finsieve/policy", package), ("rules", into / "rules")):
+        target.mkdir(parents=True)
+        for name in git("ls-tree", "--name-only", f"{ref}:{folder}").decode().split():
+            (target / name).write_bytes(git("show", f"{ref}:{folder}/{name}"))
+    sys.path.insert(0, str(into))
+    names = ("masks", "matcher", "normalize", "pack")
+    mods = {m: importlib.import_module(f"baseline_policy.{m}") for m in names}
+    return SimpleNamespace(**mods, memos=[mods["normalize"]], rules=into / "rules")
+
+
+def clear_memos(modules: list) -> None:
+    """Forget per-character memos, so a table build starts cold as in a fresh process."""
+    for module in modules:
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):
+                value.cache_clear()
+
+
+def before_after(base: SimpleNamespace, synthetic: Path, vocab: list[bytes],
+                 tokens: list[bytes]) -> dict:
+    """The same measurements with the baseline revision's code and with ours, alternating."""
+    ours = SimpleNamespace(masks=our_masks, matcher=our_matcher, normalize=our_normalize,
+                           pack=our_pack, memos=[our_normalize, our_scripts])
+    sides = {"before": (base, base.rules), "after": (ours, REPO / "rules")}
+    out: dict = {}
+    for side, (mods, rules_dir) in sides.items():
+        packs = {"default packs": mods.pack.Pack.load(rules_dir),
+                 "10k literals + 100 regexes": mods.pack.Pack.load(synthetic)}
+        for p in packs.values():  # warm-up: per-character memos fill once per pack
+            per_token(p, tokens[:1000], mods.matcher.StreamMatcher)
+        per_token(None, tokens, mods.normalize.Normalizer)
+        row = {"normalizer": stats_us(per_token(None, tokens, mods.normalize.Normalizer))}
+        for name, p in packs.items():
+            row[name] = stats_us(per_token(p, tokens, mods.matcher.StreamMatcher))
+        clear_memos(mods.memos)
+        table, row["token_table_build_49k_s"] = timed(lambda m=mods: m.masks.TokenTable.build(vocab))
+        for name, p in packs.items():
+            _, row[f"mask_build {name}_s"] = timed(lambda m=mods, p=p, t=table: m.masks.MaskTables(
+                t, p.output.literal_patterns(("block",))))
+        out[side] = row
+    return out
+
+
+def confusable_sources(tokens: list[bytes]) -> dict[str, dict[str, float]]:
+    """The look-alike data sources on the same text: µs per character applied one character
+    at a time (what keeps raw offsets exact), and per whole string (no offsets). disarm is
+    the one finsieve uses; the others are measured when importable (not dependencies)."""
+    text = b"".join(tokens).decode("utf-8", "replace")
+    sources = {"disarm (UTS #39, used)": disarm.normalize_confusables}
+    try:
+        import decancer_py
+        sources["decancer-py"] = lambda s: str(decancer_py.parse(s))
+    except ImportError:
+        pass
+    try:
+        from confusable_homoglyphs import confusables
+        sources["confusable-homoglyphs (lookup only)"] = lambda s: confusables.is_confusable(s)
+    except ImportError:
+        pass
+    out = {}
+    for name, fn in sources.items():
+        _, per_char = timed(lambda fn=fn: [fn(c) for c in text])
+        _, whole = timed(lambda fn=fn: fn(text))
+        out[name] = {"per_char_us": per_char / len(text) * 1e6,
+                     "whole_text_us_per_char": whole / len(text) * 1e6}
     return out
 
 
@@ -153,6 +240,7 @@ def reload_latency(vocab_table: TokenTable, trials: int = 5) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--baseline", default="main", help="git revision to compare with (before/after)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rules.json")
     args = ap.parse_args()
 
@@ -166,14 +254,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         synthetic_pack(Path(tmp))
         big, compile_s = timed(lambda: Pack.load(Path(tmp)))
+        result["before_after"] = before_after(load_revision(args.baseline, Path(tmp) / "base"),
+                                              Path(tmp), vocab, tokens)
+        result["before_after"]["baseline"] = args.baseline
     result["synthetic_pack"] = {"literals": sum(len(r.patterns) for r in big.rules if r.kind == "literal"),
                                 "regexes": len(big.output.regexes), "compile_s": compile_s}
 
     rows = []
-    for name, pack in (("default packs", default), ("10k literals + 100 regexes", big)):
-        per_token(pack, tokens[:1000])  # warm-up: per-character memos fill once per pack
-        ours = stats_us(per_token(pack, tokens))
-        naive = stats_us(naive_per_token(pack, tokens, 600 if pack is big else 2000))
+    for name, p in (("default packs", default), ("10k literals + 100 regexes", big)):
+        per_token(p, tokens[:1000])  # warm-up: per-character memos fill once per pack
+        ours = stats_us(per_token(p, tokens))
+        naive = stats_us(naive_per_token(p, tokens, 600 if p is big else 2000))
         rows.append({"pack": name, "ours": ours, "naive_rescan": naive,
                      "speedup_median": naive["median_us"] / ours["median_us"]})
     result["matcher"] = rows
@@ -199,7 +290,25 @@ def main() -> None:
     result["mask"] = {"default packs": mask_costs(masks_default, default, tokens),
                       "10k literals": mask_costs(masks_big, big, tokens)}
     result["reload_to_enforcement_s"] = reload_latency(table49)
+    result["confusable_sources"] = confusable_sources(tokens)
 
+    ba = result["before_after"]
+    print(f"before ({args.baseline}) / after (this tree), same tokens, same run: µs/token")
+    print(f"{'':30} {'before mean':>11} {'after mean':>11} {'before med':>11} {'after med':>10} "
+          f"{'after/before':>12}")
+    for key in ("normalizer", "default packs", "10k literals + 100 regexes"):
+        b, a = ba["before"][key], ba["after"][key]
+        print(f"{key:30} {b['mean_us']:11.1f} {a['mean_us']:11.1f} {b['median_us']:11.1f} "
+              f"{a['median_us']:10.1f} {a['mean_us'] / b['mean_us']:11.2f}x")
+    for key in ("default packs", "10k literals + 100 regexes"):
+        share = ba["after"]["normalizer"]["mean_us"] / ba["after"][key]["mean_us"]
+        ba["after"][f"normalizer_share {key}"] = share
+        print(f"normalization's share of the matcher's time ({key}): {share:.0%}")
+    for key in ("token_table_build_49k_s", "mask_build default packs_s",
+                "mask_build 10k literals + 100 regexes_s"):
+        b, a = ba["before"][key], ba["after"][key]
+        print(f"{key.removesuffix('_s'):40} before {b:6.2f} s   after {a:6.2f} s   ({a / b:.2f}x)")
+    print()
     print(f"{'matcher µs/token':30} {'median':>8} {'p99':>8} {'naive median':>13} "
           f"{'naive p99':>10} {'speedup':>8}")
     for r in rows:
@@ -219,6 +328,9 @@ def main() -> None:
     lat = result["reload_to_enforcement_s"]
     print(f"reload to enforcement: median {statistics.median(lat):.3f} s, max {max(lat):.3f} s "
           f"({len(lat)} trials)")
+    print(f"\n{'look-alike data source':40} {'µs/char, one at a time':>23} {'µs/char, whole text':>20}")
+    for name, c in result["confusable_sources"].items():
+        print(f"{name:40} {c['per_char_us']:23.2f} {c['whole_text_us_per_char']:20.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
 

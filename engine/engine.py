@@ -1,13 +1,30 @@
-"""The engine: continuous batching of every live sequence, one decode step at a time.
+"""The engine: continuous batching of every live sequence, rules inside the decoder loop.
 
-Requests are tokenized by the caller's thread (`prepare`), queued (`submit`), and joined
-to the running batch between steps. Each step: admit and prefill new sequences, decode
-one token for every running sequence, and hand each sink all of its events at once.
+`prepare` (on the gRPC server's executor threads) tokenizes a request, checks its length
+against the context and only then applies the input rules; `submit` and `cancel` reach the
+engine thread through its inbox. The engine thread runs `step` in a loop:
 
-Every sampled token passes the sequence's guard (finsieve.policy.guard): banned tokens
-are masked before sampling; after it, the token is accepted, resampled, or the sequence
-is rolled back (SAR: its KV length is set back), rewritten or halted. Only that sequence
-is touched; the rest of the batch decodes on.
+  1. take the inbox: queue new requests (a bounded queue), cancel by (sink, request id);
+  2. admit waiting requests into free KV slots; the scheduler picks this step's rows;
+  3. launch the step on the device (on CUDA this returns at once);
+  4. meanwhile, on the CPU, act on the previous step's tokens: each passes its sequence's
+     guard (finsieve.policy.guard) and becomes events;
+  5. hand each sink (gateway stream) all of its events at once.
+
+Optimistic decoding: step N+1 is launched before step N's tokens are checked; each of its
+decode rows is fed the token step N sampled for it, on the device, with the policy's base
+mask. When the host has checked the token the row followed, it knows the exact ban list
+for the row's position: a result outside it is exactly what the exact mask would have
+given (greedy: the argmax; sampled: the Gumbel-max draw of the same noise). A result inside
+it, or a refused token before it, throws that row away (`finsieve_late_repairs_total`) and
+the position is decoded again: a violation found one step late is repaired by rollback,
+never by a retraction.
+
+Every sampled token passes its sequence's guard: accepted, resampled (banned at that
+position and decoded again), rolled back (SAR: the sequence's KV length is set back),
+rewritten or halted. Only that sequence is touched; the batch decodes on. An exception
+while handling one sequence fails that sequence alone; a device that no longer computes
+stops the engine (`EngineFailed`), and the server exits so its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -15,38 +32,36 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
-from collections import defaultdict, deque
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import structlog
 import torch
-from prometheus_client import Counter, Histogram
 
 from finsieve.errors import RequestError, invalid
 from finsieve.policy.guard import Decision, Guard, Intervention, Policy, Verdict
-from finsieve.policy.matcher import scan_text
+from finsieve.policy.inputs import apply_input_rules
 from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2
 
+from . import events
+from .events import LATE_REPAIRS, ROLLBACKS, STEP_SECONDS, TOKENS, Outbox
 from .hf_runner import HFRunner
 from .loader import LoadedModel
 from .model import SUPPORTED_ARCHITECTURES, CompactLM
-from .sampler import make_generator, sample
-from .sequence import Sampling, Sequence, Sink, Status
+from .model_runner import Launch, ModelRunner, StepRow
+from .sampler import noise_key
+from .scheduler import Row, Scheduler
+from .sequence import Finish, Sampling, Sequence, Sink, Status
 from .tokens import token_byte_table
 
 log = structlog.get_logger(__name__)
 
-STEP_SECONDS = Histogram("finsieve_decode_step_seconds",
-                         "One decode step for the whole batch (the inter-token latency)",
-                         buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
-TOKENS = Counter("finsieve_generated_tokens", "Tokens generated (accepted by the rules)")
-ROLLBACKS = Counter("finsieve_rollbacks", "Sequences rolled back (SAR)")
-
 NO_POLICY = Policy(Pack([]), None, "none")
-MAX_RESAMPLES = 32  # per position; then the sequence halts
+MAX_RESAMPLES = 32  # tokens refused at one position; then the sequence halts
+STATS_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,15 @@ class EngineLimits:
     default_max_tokens: int
     batch_invariant: bool = True
     max_rollbacks: int = 8
+    max_waiting: int = 256
+    prefill_chunk: int = 2048
+    gpu_memory_utilization: float = 0.9
+    compile: bool = True  # CUDA only
+    cuda_graphs: bool = True  # CUDA only
+
+
+class EngineFailed(RuntimeError):
+    """The device no longer computes (e.g. a CUDA error lost the context)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +88,10 @@ class _Cancel:
     request_id: str | None  # None: every request of the sink
 
 
-Events = dict[Sink, list[chat_pb2.ChatServerMessage]]
+@dataclass
+class _InFlight:
+    launch: Launch
+    seqs: list[Sequence]  # per sampled row
 
 
 class LLMEngine:
@@ -75,38 +102,47 @@ class LLMEngine:
         self.eos_ids = model.eos_token_ids
         self.device = device
         self.max_context = min(limits.max_context, model.max_position_embeddings)
-        self.max_batch = limits.max_batch
         self.default_max_tokens = limits.default_max_tokens
         self.max_rollbacks = limits.max_rollbacks
         self.policy = policy  # the policy in force now; a request keeps the one it started with
-        self.runner: CompactLM | HFRunner
-        if model.hf_model.config.model_type in SUPPORTED_ARCHITECTURES:
-            # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
-            row_tile = 8 if device.type == "cpu" and limits.batch_invariant else 0
-            self.runner = CompactLM(model.hf_model, limits.max_batch, self.max_context, row_tile)
-        else:
-            log.warning("no compact forward for this architecture; using transformers' forward",
-                        architecture=model.hf_model.config.model_type)
-            self.runner = HFRunner(model.hf_model, limits.max_batch)
+        self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
+        self.max_batch = self.model.n_slots
+        self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
+                                   self.max_context)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self.token_bytes = token_byte_table(self.tokenizer.get_vocab(), special)
         self._inbox: queue.SimpleQueue[Sequence | _Cancel] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._live: dict[tuple[int, str], Sequence] = {}
+        self._in_flight: _InFlight | None = None
+        self._last_launch = 0.0
+        self._counts: list = [0, 0, 0.0]  # steps, tokens, seconds since the last report
+        self.failed = threading.Event()
 
     # -- any thread -------------------------------------------------------------------
 
     def prepare(self, request: chat_pb2.ChatRequest, sink: Sink) -> Sequence:
-        """Apply input rules, tokenize and check a request (off the decode loop)."""
+        """Tokenize, check the length, apply input rules (off the decode loop)."""
         policy = self.policy()
-        messages, input_events, halted = _apply_input_rules(policy, request.messages)
+        raw = [{"role": m.role, "content": m.content} for m in request.messages]
+        ids = self._prompt_ids(raw)  # too long: refused before any rule scans it
+        verdict = apply_input_rules(policy.pack.input, request.messages)
+        if verdict.changed:
+            ids = self._prompt_ids(verdict.messages)
+        p = request.params
+        sampling = Sampling.safe(
+            max_tokens=max(min(p.max_tokens or self.default_max_tokens, self.max_context - len(ids)), 1),
+            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None, stop=tuple(s for s in p.stop if s),
+        )
+        guard = Guard(policy, self.token_bytes, self.max_rollbacks)
+        return Sequence(request.request_id, sink, ids, sampling, guard,
+                        input_events=verdict.events, halted_by_input=verdict.halted)
+
+    def _prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         try:
             prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+                messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template may reject e.g. a misplaced system message
             raise invalid("messages", f"the model's chat template rejected them: {e}") from None
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -116,20 +152,7 @@ class LLMEngine:
                 f"the prompt is {len(ids)} tokens; the context holds {self.max_context} "
                 "tokens for prompt and answer together",
             )
-        p = request.params
-        sampling = Sampling(
-            max_tokens=min(p.max_tokens or self.default_max_tokens, self.max_context - len(ids)),
-            temperature=p.temperature,
-            top_p=p.top_p or 1.0,
-            top_k=p.top_k,
-            seed=p.seed if p.HasField("seed") else None,
-            stop=tuple(s for s in p.stop if s),
-        )
-        guard = Guard(policy, self.token_bytes, self.max_rollbacks)
-        seq = Sequence(request.request_id, sink, ids, sampling, guard,
-                       input_events=input_events, halted_by_input=halted)
-        seq.rng = make_generator(sampling, self.device)
-        return seq
+        return ids
 
     def submit(self, seq: Sequence) -> None:
         self._inbox.put(seq)
@@ -146,181 +169,244 @@ class LLMEngine:
     # -- the engine thread ------------------------------------------------------------
 
     def run(self) -> None:
-        while not self._stopping:
-            if not self.step():
-                self._wake.wait()
-                self._wake.clear()
+        report = time.monotonic() + STATS_EVERY_S
+        try:
+            while not self._stopping:
+                if not self.step():
+                    self._wake.wait(STATS_EVERY_S)
+                    self._wake.clear()
+                if time.monotonic() >= report:
+                    self._report()
+                    report = time.monotonic() + STATS_EVERY_S
+        except EngineFailed:
+            self.failed.set()
+
+    def _report(self) -> None:
+        """What the loop did lately, for operators: counts only, never text."""
+        steps, tokens, busy = self._counts
+        if steps:
+            log.info("engine stats", steps=steps, tokens=tokens,
+                     ms_per_step=round(1000 * busy / steps, 2),
+                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                     late_repairs=int(LATE_REPAIRS._value.get()))
+        self._counts = [0, 0, 0.0]
 
     def step(self) -> bool:
         """One scheduling round; returns False when there was nothing to do."""
-        events: Events = defaultdict(list)
-        self._take_inbox(events)
+        out = Outbox()
         try:
-            self._admit(events)
-            if self.running:
-                self._decode(events)
-        except Exception:
-            log.exception("engine step failed; failing its sequences")
-            for seq in list(self.running):
-                self._fail(seq, events, grpc.StatusCode.INTERNAL, "the engine failed this request")
-        for sink, batch in events.items():
-            sink.deliver(batch)
-        return bool(events or self.running or self.waiting)
+            self._take_inbox(out)
+            for seq in self.scheduler.admit():
+                out.add(seq, events.started(seq, self.model_name))
+                for i in seq.input_events:
+                    out.add(seq, events.policy(seq, i, "input"))
+            rows = self.scheduler.schedule()
+            launched = self._launch(rows, out) if rows else None
+            if self._in_flight is not None:
+                self._process(self._in_flight, out)
+            self._in_flight = launched
+        finally:
+            out.deliver()
+            events.WAITING.set(len(self.scheduler.waiting))
+            events.RUNNING.set(len(self.scheduler.running))
+        return bool(out or self._in_flight or len(self.scheduler))
 
-    def _take_inbox(self, events: Events) -> None:
+    def _take_inbox(self, out: Outbox) -> None:
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, Sequence):
-                if item.key in self._live:
-                    events[item.sink].append(
-                        invalid("request_id", "a request with this id is in flight").to_event(
-                            item.request_id
-                        )
-                    )
-                else:
-                    self._live[item.key] = item
-                    self.waiting.append(item)
+            if isinstance(item, _Cancel):
+                seqs = (self.scheduler.of_sink(item.sink) if item.request_id is None
+                        else [s] if (s := self.scheduler.find(item.sink, item.request_id)) else [])
+                for seq in seqs:
+                    seq.finish_reason = Finish.CANCELLED
+                    self._finish(seq, out)
+            elif item.halted_by_input:  # an input rule halted it: nothing is decoded
+                out.add(item, events.started(item, self.model_name))
+                for i in item.input_events:
+                    out.add(item, events.policy(item, i, "input"))
+                item.finish_reason = Finish.CONTENT_FILTER
+                out.add(item, events.finished(item))
             else:
-                for seq in list(self._live.values()):
-                    if seq.sink is item.sink and item.request_id in (None, seq.request_id):
-                        seq.finish_reason = chat_pb2.FINISH_REASON_CANCELLED
-                        self._finish(seq, events)
+                try:
+                    self.scheduler.add(item)
+                except RequestError as e:
+                    out.add(item, e.to_event(item.request_id))
 
-    def _admit(self, events: Events) -> None:
-        while self.waiting and self.runner.cache.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.runner.cache.allocate()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            out = events[seq.sink]
-            out.append(chat_pb2.ChatServerMessage(
-                request_id=seq.request_id,
-                started=chat_pb2.Started(model=self.model_name, policy_version=seq.policy_version),
-            ))
-            out.extend(seq.policy_event(i, "input") for i in seq.input_events)
-            if seq.halted_by_input:  # an input rule halted it: nothing is decoded
-                seq.finish_reason = chat_pb2.FINISH_REASON_CONTENT_FILTER
-                self._finish(seq, events)
+    def _launch(self, rows: list[Row], out: Outbox) -> _InFlight | None:
+        now = time.perf_counter()
+        if self._in_flight is not None:
+            STEP_SECONDS.observe(now - self._last_launch)
+            self._counts[0] += 1
+            self._counts[2] += now - self._last_launch
+        self._last_launch = now
+        try:
+            launch = self.runner.launch([self._step_row(r) for r in rows])
+        except Exception as e:
+            self._step_failed(e, [r.seq for r in rows], out)
+            return None
+        seqs = [rows[i].seq for i in launch.order]
+        for j, seq in enumerate(seqs):
+            seq.pending_row = j
+        return _InFlight(launch, seqs)
+
+    def _step_row(self, row: Row) -> StepRow:
+        seq, s = row.seq, row.seq.sampling
+        position = row.start + max(len(row.tokens), 1)  # of the token this row samples
+        if row.optimistic:
+            # Its exact bans depend on the token it follows, not checked yet: it runs under
+            # the policy's base bans, and its token is checked against the exact ones after.
+            bans = _base_bans(seq)
+        else:
+            if seq.bans is None:
+                seq.bans = seq.guard.banned()
+            bans = seq.bans
+        return StepRow(seq.slot, row.start, row.tokens, seq.pending_row, row.sample,
+                       s.temperature, s.top_k, s.top_p,
+                       0 if s.greedy else noise_key(seq.noise_seed, position), bans)
+
+    def _process(self, flight: _InFlight, out: Outbox) -> None:
+        """Act on a finished step's tokens, sequence by sequence."""
+        try:
+            results = flight.launch.tokens()
+        except Exception as e:
+            self._step_failed(e, flight.seqs, out)
+            return
+        for seq, (token, first) in zip(flight.seqs, results, strict=True):
+            if seq.status is not Status.RUNNING:
+                continue  # cancelled or finished while this step ran
+            if seq.stale:
+                seq.stale -= 1  # computed from a token since taken back
                 continue
-            logits = self.runner.prefill(seq.prompt_ids, seq.slot)
-            self._advance(seq, logits, events)
+            seq.ahead -= 1
+            try:
+                self._on_token(seq, token, first, out)
+            except Exception:
+                log.exception("request failed in the engine", request_id=seq.request_id)
+                self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
 
-    def _decode(self, events: Events) -> None:
-        batch = list(self.running)
-        with STEP_SECONDS.time():
-            logits = self.runner.decode([s.last_token for s in batch], [s.slot for s in batch])
-            for row, seq in enumerate(batch):
-                self._advance(seq, logits[row], events)
+    def _step_failed(self, error: Exception, seqs: list[Sequence], out: Outbox) -> None:
+        if not self.runner.healthy():
+            log.error("the device failed; the engine stops", error=repr(error))
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._fail(seq, out, grpc.StatusCode.UNAVAILABLE,
+                           "the engine's device failed; retry the request")
+            raise EngineFailed(repr(error)) from error
+        log.exception("a step failed; failing its requests", requests=len(seqs))
+        for seq in dict.fromkeys(seqs):
+            if seq.status is Status.RUNNING:
+                self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
 
-    # -- one sequence, one step ---------------------------------------------------------
+    # -- one sequence, one token --------------------------------------------------------
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, events: Events) -> None:
-        """Sample this sequence's next token under its policy and act on the verdict."""
+    def _on_token(self, seq: Sequence, token: int, first: int, out: Outbox) -> None:
+        """Act on the token sampled for this sequence under its policy's verdict."""
         guard = seq.guard
-        # Halts unless a token is accepted within MAX_RESAMPLES tries.
-        decision, token, eos = Decision(Verdict.HALT), -1, False
-        for attempt in range(MAX_RESAMPLES):
-            row = logits
-            banned = guard.banned()
-            if banned:
-                top = int(torch.argmax(logits))
-                if attempt == 0 and _contains(banned, top) and (stopped := guard.masked(top)):
-                    events[seq.sink].append(seq.policy_event(stopped))  # the mask steered it
-                row = logits.clone()
-                row[torch.tensor(banned, device=logits.device)] = float("-inf")
-                if torch.isinf(row).all():  # nothing left to say that the rules allow
-                    decision = Decision(Verdict.HALT, match=decision.match)
-                    break
-            token = sample(row, seq.sampling, seq.rng)
-            eos = token in self.eos_ids
-            decision = guard.finish() if eos else guard.check(token)
-            if decision.verdict is not Verdict.RESAMPLE:
-                break
-            events[seq.sink].append(seq.policy_event(_blocked_here(guard, decision)))
-        if decision.verdict in (Verdict.HALT, Verdict.RESAMPLE):
-            self._halt(seq, decision, events)
+        if token < 0:  # every token banned: nothing left to say that the rules allow
+            self._halt(seq, Decision(Verdict.HALT), out)
+            return
+        bans = seq.bans
+        if bans is None:  # an optimistic row, masked by the base bans only
+            masks = guard.policy.masks
+            if (masks is not None and masks.is_banned(guard.matcher, token)) \
+                    or token in guard.bans.get(len(guard.tokens), ()):
+                self._redo(seq, wasted=1)  # the exact mask bans it: decode this position again
+                return
+            bans = _base_bans(seq)
+        if seq.attempts == 0 and first != token and _contains(bans, first) \
+                and (stopped := guard.masked(first)):
+            out.add(seq, events.policy(seq, stopped))  # the mask steered it
+        eos = token in self.eos_ids
+        decision = guard.finish() if eos else guard.check(token)
+        if decision.verdict is Verdict.RESAMPLE:
+            out.add(seq, events.policy(seq, _blocked_here(guard, decision)))
+            seq.attempts += 1
+            if seq.attempts >= MAX_RESAMPLES:
+                self._halt(seq, decision, out)
+                return
+            self._redo(seq)  # banned here now: decode this position again
+            return
+        if decision.verdict is Verdict.HALT:
+            self._halt(seq, decision, out)
             return
         if decision.verdict is not Verdict.ACCEPT:
-            self._roll_back(seq, decision, events)
+            self._roll_back(seq, decision, out)
             return
         seq.append(token, eos)
         TOKENS.inc()
+        self._counts[1] += 1
         if not seq.done and seq.context_len >= self.max_context:
-            seq.finish_reason = chat_pb2.FINISH_REASON_LENGTH
+            seq.finish_reason = Finish.LENGTH
         if seq.done and not eos:
             # The answer ends here: a regex waiting for more text is settled now.
             decision = guard.finish()
             if decision.verdict is Verdict.HALT:
-                self._halt(seq, decision, events)
+                self._halt(seq, decision, out)
                 return
             if decision.verdict is not Verdict.ACCEPT:
-                self._roll_back(seq, decision, events)
+                self._roll_back(seq, decision, out)
                 return
         if seq.done:
-            self._finish(seq, events)
-        else:
-            self._deliver(seq, events)
+            self._finish(seq, out)
+            return
+        self._deliver(seq, out)
+        seq.bans = None  # the next position's: computed only if a step needs them
 
-    def _roll_back(self, seq: Sequence, decision: Decision, events: Events) -> None:
-        """SAR: set this sequence's KV length back to the span's start and decode again."""
+    def _redo(self, seq: Sequence, valid: int | None = None, wasted: int = 0) -> None:
+        """The sequence's next step recomputes from its last token, under its exact bans;
+        steps already launched for it are dropped (counted as late repairs)."""
+        if wasted + seq.ahead:
+            LATE_REPAIRS.inc(wasted + seq.ahead)
+        seq.bans = None
+        seq.redo(valid)
+
+    def _roll_back(self, seq: Sequence, decision: Decision, out: Outbox) -> None:
+        """SAR: the answer goes back to the span's start; the cache keeps what still stands."""
         intervention = seq.guard.rollback(decision)
         ROLLBACKS.inc()
         seq.truncate(decision.keep)
-        self.runner.cache.truncate(seq.slot, seq.context_len - 1)
+        valid = seq.context_len
         if decision.verdict is Verdict.REWRITE:
             forced = self.tokenizer(decision.text, add_special_tokens=False)["input_ids"]
             seq.guard.force(forced)
-            self.runner.prefill([seq.last_token, *forced[:-1]], seq.slot)
             seq.extend(forced)
-        events[seq.sink].append(seq.policy_event(intervention))
-        self._deliver(seq, events)
+        self._redo(seq, valid)
+        out.add(seq, events.policy(seq, intervention))
+        self._deliver(seq, out)
 
-    def _halt(self, seq: Sequence, decision: Decision, events: Events) -> None:
+    def _halt(self, seq: Sequence, decision: Decision, out: Outbox) -> None:
         if decision.match is None:  # every token banned: nothing allowed to say
             text, intervention = "", Intervention("", "halt", seq.guard.delivered_chars,
                                                   seq.guard.delivered_chars,
                                                   message="no allowed continuation")
         else:
             text, intervention = seq.guard.halt(decision)
-        out = events[seq.sink]
         if text:
-            out.append(chat_pb2.ChatServerMessage(
-                request_id=seq.request_id, delta=chat_pb2.Delta(text=text, tokens=0)))
-        out.append(seq.policy_event(intervention))
-        seq.finish_reason = chat_pb2.FINISH_REASON_CONTENT_FILTER
-        self._finish(seq, events)
+            out.add(seq, events.delta(seq, text, 0))
+        out.add(seq, events.policy(seq, intervention))
+        seq.finish_reason = Finish.CONTENT_FILTER
+        self._finish(seq, out)
 
-    def _deliver(self, seq: Sequence, events: Events) -> None:
+    def _deliver(self, seq: Sequence, out: Outbox) -> None:
         delta = seq.take_delta()
-        out = events[seq.sink]
-        out.extend(seq.policy_event(i) for i in seq.guard.events)  # redactions just released
+        for i in seq.guard.events:  # redactions just released
+            out.add(seq, events.policy(seq, i))
         seq.guard.events.clear()
         if delta is not None:
-            out.append(delta)
+            out.add(seq, events.delta(seq, *delta))
 
-    def _finish(self, seq: Sequence, events: Events) -> None:
+    def _finish(self, seq: Sequence, out: Outbox) -> None:
         """Deliver what is left, then Finished; free the slot."""
-        if seq.finish_reason not in (chat_pb2.FINISH_REASON_CANCELLED,
-                                     chat_pb2.FINISH_REASON_CONTENT_FILTER):
-            self._deliver(seq, events)
-        events[seq.sink].append(seq.finished_event())
-        self._release(seq)
+        if seq.finish_reason not in (Finish.CANCELLED, Finish.CONTENT_FILTER):
+            self._deliver(seq, out)
+        out.add(seq, events.finished(seq))
+        self.scheduler.release(seq)
 
-    def _fail(self, seq: Sequence, events: Events, code: grpc.StatusCode, message: str) -> None:
-        events[seq.sink].append(RequestError(code, message).to_event(seq.request_id))
-        self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self._live.pop(seq.key, None)
-        if seq.status is Status.RUNNING:
-            self.runner.cache.release(seq.slot)
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status = Status.FINISHED
+    def _fail(self, seq: Sequence, out: Outbox, code: grpc.StatusCode, message: str) -> None:
+        out.add(seq, events.error(seq.request_id, code, message))
+        self.scheduler.release(seq)
 
     # -- synchronous use (tests, benchmarks) ------------------------------------------
 
@@ -331,6 +417,48 @@ class LLMEngine:
         while not sink.finished:
             self.step()
         return sink.events
+
+
+def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
+           max_context: int) -> tuple[CompactLM | HFRunner, ModelRunner, str]:
+    """The forward and its runner: compiled and in CUDA graphs where that works."""
+    hf = model.hf_model
+    if hf.config.model_type not in SUPPORTED_ARCHITECTURES:
+        log.warning("no compact forward for this architecture; using transformers' forward",
+                    architecture=hf.config.model_type)
+        runner_model = HFRunner(hf, limits.max_batch)
+        return runner_model, ModelRunner(runner_model, device), "transformers"
+    cuda = device.type == "cuda"
+    # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
+    row_tile = 8 if not cuda and limits.batch_invariant else 0
+    compact = CompactLM(hf, limits.max_batch, max_context, row_tile,
+                        own_weights=cuda, memory_fraction=limits.gpu_memory_utilization if cuda else None)
+    if cuda:
+        log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
+                 gib=round(compact.cache.nbytes / 2**30, 2),
+                 free_gib=round(torch.cuda.mem_get_info(device)[0] / 2**30, 1))
+    split_len = compact.split_len
+    tries = [(limits.compile, limits.cuda_graphs, True), (False, limits.cuda_graphs, True),
+             (False, False, True), (False, False, False)] if cuda else [(False, False, False)]
+    for compiled, graphs, triton in dict.fromkeys(tries):
+        try:
+            compact.set_compiled(compiled)
+            compact.split_len = split_len if triton else 0
+            runner = ModelRunner(compact, device, graphs)
+        except Exception as e:  # a compiler or capture failure must not stop the service
+            log.warning("falling back", compiled=compiled, cuda_graphs=graphs, triton=triton,
+                        error=repr(e)[:800])
+            continue
+        mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else []),
+                         *(["triton-attention"] if triton else [])])
+        return compact, runner, mode
+    raise RuntimeError("no runner could be built")
+
+
+def _base_bans(seq: Sequence) -> list[int]:
+    """What the policy bans whatever the text: the mask of a row whose text is not known yet."""
+    masks = seq.guard.policy.masks
+    return masks.always_banned if masks is not None else []
 
 
 def _contains(sorted_ids: list[int], token: int) -> bool:
@@ -344,36 +472,6 @@ def _blocked_here(guard: Guard, decision: Decision) -> Intervention:
     assert m is not None
     at = guard.delivered_chars + len(guard.matcher.render(guard.released, guard.matcher.norm.raw_len))
     return Intervention(m.rule.id, m.rule.action, at, at, suppressed=m.text)
-
-
-def _apply_input_rules(policy: Policy, messages) -> tuple[list[dict[str, str]], list[Intervention], bool]:
-    """Input-scope rules on every message: spans redacted before the model sees them;
-    a halting (or blocking) rule means the request is not decoded at all."""
-    out, events, halted = [], [], False
-    rules = policy.pack.input
-    for m in messages:
-        content = m.content
-        if rules:
-            raw = content.encode()
-            found = sorted(scan_text(rules, content), key=lambda x: x.start)
-            parts, pos = [], 0
-            for x in found:
-                suppressed = raw[x.start : x.end].decode("utf-8", "replace")
-                if x.rule.action in ("halt", "block"):
-                    halted = True
-                    events.append(Intervention(x.rule.id, x.rule.action, 0, 0,
-                                               message=x.rule.message, suppressed=suppressed))
-                elif x.start >= pos:  # redact / rewrite: the model never sees the span
-                    parts.append(raw[pos : x.start].decode("utf-8", "replace"))
-                    at = sum(len(p) for p in parts)
-                    parts.append(x.rule.replacement)
-                    events.append(Intervention(x.rule.id, x.rule.action, at,
-                                               at + len(x.rule.replacement), suppressed=suppressed))
-                    pos = x.end
-            parts.append(raw[pos:].decode("utf-8", "replace"))
-            content = "".join(parts)
-        out.append({"role": m.role, "content": content})
-    return out, events, halted
 
 
 class CollectingSink:

@@ -1,29 +1,41 @@
 """A compact Llama/Qwen2-family forward over the slot KV cache.
 
 Weights, config and rotary tables come from the transformers model; the forward is ours,
-so the decode step is visible in one screen: fused QKV and gate/up matmuls, RoPE, SDPA
-over each sequence's own cache length.
+so a step is visible in one screen. Each layer is two pure functions around the cache
+write and attention: `attn_in` (residual add, RMSNorm, fused QKV matmul, bias, RoPE) and
+`attn_out` (output projection, residual add, RMSNorm, fused gate/up matmul, SiLU, down).
+On CUDA each is compiled once with `torch.compile` (it fuses the elementwise work; the
+same compiled code serves every layer, every batch size and prefill) and the decode step
+is captured in CUDA graphs by the model runner.
 
-Batch invariance: a sequence's logits must not depend on what else is in the batch, or
-greedy answers (and so the response cache and audit trail) would change with load. BLAS
-picks kernels and reduction orders by matrix shape, so decode runs every matmul on fixed
-tiles of `row_tile` rows and attends each sequence over exactly its own length. The same
-row then always meets the same kernel, whatever the batch holds.
+Batch invariance on the CPU: a sequence's logits must not depend on what else is in the
+batch, or greedy answers (and so the response cache and audit trail) would change with
+load. BLAS picks kernels and reduction orders by matrix shape, so decode runs every matmul
+on fixed tiles of `row_tile` rows, prefill runs each chunk on its own, and attention
+reads each sequence over exactly its own length. The same row then always meets the same
+kernel, whatever the batch holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention import decode_attention, prefill_attention, split_len_for
 from .kv_cache import SlotKVCache
 
+log = structlog.get_logger(__name__)
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+Chunk = tuple[int, int, list[int]]  # (slot, first KV position, token ids)
 
 
 class Layer:
-    def __init__(self, hf_layer: torch.nn.Module) -> None:
+    def __init__(self, hf_layer: torch.nn.Module, own: bool) -> None:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         self.bqkv = (
@@ -36,18 +48,14 @@ class Layer:
         self.w_down = mlp.down_proj.weight
         self.attn_norm = hf_layer.input_layernorm.weight
         self.mlp_norm = hf_layer.post_attention_layernorm.weight
+        if own:  # the fused copies are the only ones used: free the originals
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                module.weight.data = torch.empty(0, device=self.wqkv.device, dtype=self.wqkv.dtype)
 
 
 class CompactLM:
-    """Forward passes of one Llama/Qwen2 model over a SlotKVCache it owns."""
-
-    def __init__(
-        self,
-        hf_model: torch.nn.Module,
-        n_slots: int,
-        max_len: int,
-        row_tile: int = 0,
-    ) -> None:
+    def __init__(self, hf_model: torch.nn.Module, n_slots: int, max_len: int, row_tile: int = 0,
+                 own_weights: bool = False, memory_fraction: float | None = None) -> None:
         cfg = hf_model.config
         inner = hf_model.model
         self.n_heads = cfg.num_attention_heads
@@ -57,89 +65,132 @@ class CompactLM:
         self.vocab_size = cfg.vocab_size
         self.row_tile = row_tile
         self.embed = inner.embed_tokens.weight
-        self.layers = [Layer(layer) for layer in inner.layers]
+        self.layers = [Layer(layer, own_weights) for layer in inner.layers]
         self.norm = inner.norm.weight
         self.lm_head = hf_model.lm_head.weight
         param = self.embed
         self.device, self.dtype = param.device, param.dtype
         self.cos, self.sin = _rope_tables(inner.rotary_emb, max_len, self.device, self.dtype)
+        # Prefill batches every chunk of a step into one forward on CUDA (throughput); on
+        # the CPU each chunk runs alone (batch invariance).
+        self.batch_prefill = self.device.type == "cuda"
+        if memory_fraction is not None and self.device.type == "cuda":
+            n_slots = self._slots_that_fit(n_slots, max_len, memory_fraction)
         self.cache = SlotKVCache(
             len(self.layers), n_slots, self.n_kv_heads, max_len, self.head_dim,
             self.dtype, self.device,
         )
+        self.n_slots = n_slots
+        self.split_len = split_len_for(max_len)
+        self._eager = self._layer_parts(F.linear)
+        self._tiled = self._layer_parts(self._tiled_linear) if row_tile else None
+        self.set_compiled(False)
+
+    def set_compiled(self, compiled: bool) -> None:
+        """Compile the layer parts (CUDA): one compiled function per part serves every layer,
+        batch size and prefill chunk."""
+        parts = self._eager
+        if compiled:
+            parts = tuple(torch.compile(p, dynamic=True) for p in parts)
+        self._prefill_in, self._prefill_out = parts
+        self._decode_in, self._decode_out = self._tiled or parts
+
+    def _slots_that_fit(self, wanted: int, max_len: int, fraction: float) -> int:
+        """KV slots in `fraction` of the device's memory, less what is used already and a
+        reserve for activations (a prefill chunk's, and the CUDA graphs')."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = 2 * 1024**3
+        per_slot = SlotKVCache.bytes_per_slot(len(self.layers), self.n_kv_heads, max_len,
+                                              self.head_dim, self.dtype)
+        budget = fraction * total - (total - free) - reserve
+        fit = max(int(budget // per_slot) - 1, 0)  # one slot is the padding rows' scratch
+        if fit < 1:
+            raise MemoryError(f"no room for one KV slot of {max_len} positions "
+                              f"({per_slot / 2**20:.0f} MiB): lower --max-context")
+        if fit < wanted:
+            log.warning("fewer KV slots than --max-batch fit in device memory",
+                        wanted=wanted, fit=fit, gib_per_slot=round(per_slot / 2**30, 3))
+        return min(wanted, fit)
 
     # -- the two entry points ---------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int], slot: int) -> Tensor:
-        """Append `token_ids` to `slot`'s context; return the logits after the last one."""
-        start = self.cache.lengths[slot]
-        n = len(token_ids)
-        positions = torch.arange(start, start + n, device=self.device)
-        x = self.embed[torch.tensor(token_ids, device=self.device)]
-        # Causal over the new tokens, full view of what the slot already holds.
-        mask = None
-        if start > 0:
-            key_pos = torch.arange(start + n, device=self.device)
-            mask = key_pos[None, :] <= positions[:, None]
+    def decode(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab) logits."""
+        x = self.embed[ids]
+        delta = torch.zeros_like(x)
+        lengths = positions + 1
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions, F.linear)
-            self.cache.k[i, slot, :, start : start + n] = k.transpose(0, 1)
-            self.cache.v[i, slot, :, start : start + n] = v.transpose(0, 1)
-            keys = self.cache.k[i, slot, :, : start + n]
-            values = self.cache.v[i, slot, :, : start + n]
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None],
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
-            )
-            x = self._finish_layer(layer, x, out[0].transpose(0, 1).reshape(n, -1), F.linear)
-        self.cache.lengths[slot] = start + n
-        return F.linear(_rms_norm(x[-1:], self.norm, self.eps), self.lm_head)[0]
+            x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv, positions)
+            self.cache.k[i][slots, :, positions] = k
+            self.cache.v[i][slots, :, positions] = v
+            attn = decode_attention(q, self.cache.k[i], self.cache.v[i], slots, lengths, self.split_len)
+            x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
+                                        layer.w_gate_up, layer.w_down)
+        return self._head(x + delta, self._tiled_linear if self.row_tile else F.linear)
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], slots: list[int]) -> Tensor:
-        """One step for a batch: token i goes to slots[i]; return (batch, vocab) logits."""
-        b = len(token_ids)
-        lengths = [self.cache.lengths[s] for s in slots]
-        positions = torch.tensor(lengths, device=self.device)
-        slot_idx = torch.tensor(slots, device=self.device)
-        x = self.embed[torch.tensor(token_ids, device=self.device)]
-        linear = self._tiled_linear if self.row_tile else F.linear
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions, linear)
-            self.cache.k[i, slot_idx, :, positions] = k
-            self.cache.v[i, slot_idx, :, positions] = v
-            out = torch.empty_like(q)
-            for row, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
-                out[row] = F.scaled_dot_product_attention(
-                    q[row, :, None],
-                    self.cache.k[i, slot, :, : length + 1],
-                    self.cache.v[i, slot, :, : length + 1],
-                    enable_gqa=True,
-                )[:, 0]
-            x = self._finish_layer(layer, x, out.reshape(b, -1), linear)
-        for slot, length in zip(slots, lengths, strict=True):
-            self.cache.lengths[slot] = length + 1
-        return linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+    def prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
+        """Feed each chunk's tokens at its positions; logits after the last token of each
+        chunk marked in `sample`, in order: (sampled chunks, vocab)."""
+        if self.batch_prefill:
+            return self._prefill(chunks, sample)
+        outs = [self._prefill([c], [s]) for c, s in zip(chunks, sample, strict=True)]
+        return torch.cat(outs) if outs else torch.empty(0, self.vocab_size, device=self.device)
 
     # -- pieces -----------------------------------------------------------------------
 
-    def _qkv(self, layer: Layer, x: Tensor, positions: Tensor, linear) -> tuple[Tensor, ...]:
-        n = x.shape[0]
-        qkv = linear(_rms_norm(x, layer.attn_norm, self.eps), layer.wqkv)
-        if layer.bqkv is not None:
-            qkv = qkv + layer.bqkv
-        hd = self.head_dim
-        q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], -1)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        q = _rope(q.view(n, self.n_heads, hd), cos, sin)
-        k = _rope(k.view(n, self.n_kv_heads, hd), cos, sin)
-        return q, k, v.view(n, self.n_kv_heads, hd)
+    def _prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
+        dev = self.device
+        ids = torch.tensor([t for _, _, toks in chunks for t in toks], device=dev)
+        positions = torch.cat([torch.arange(start, start + len(toks), device=dev)
+                               for _, start, toks in chunks])
+        slots = torch.tensor([slot for slot, _, toks in chunks for _ in toks], device=dev)
+        spans = [(slot, start, len(toks)) for slot, start, toks in chunks]
+        x = self.embed[ids]
+        delta = torch.zeros_like(x)
+        for i, layer in enumerate(self.layers):
+            x, q, k, v = self._prefill_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv, positions)
+            self.cache.k[i][slots, :, positions] = k
+            self.cache.v[i][slots, :, positions] = v
+            attn = prefill_attention(q, self.cache.k[i], self.cache.v[i], spans)
+            x, delta = self._prefill_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
+                                         layer.w_gate_up, layer.w_down)
+        ends, total = [], 0
+        for (_, _, toks), wanted in zip(chunks, sample, strict=True):
+            total += len(toks)
+            if wanted:
+                ends.append(total - 1)
+        last = torch.tensor(ends, device=dev, dtype=torch.long)
+        return self._head(x[last] + delta[last], F.linear)
 
-    def _finish_layer(self, layer: Layer, x: Tensor, attn: Tensor, linear) -> Tensor:
-        x = x + linear(attn, layer.wo)
-        gate, up = linear(_rms_norm(x, layer.mlp_norm, self.eps), layer.w_gate_up).chunk(2, -1)
-        return x + linear(F.silu(gate) * up, layer.w_down)
+    def _head(self, x: Tensor, linear: Callable) -> Tensor:
+        return linear(_rms_norm(x, self.norm, self.eps), self.lm_head)
+
+    def _layer_parts(self, linear: Callable) -> tuple[Callable, Callable]:
+        n_heads, n_kv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
+        cos_table, sin_table = self.cos, self.sin
+
+        def attn_in(x: Tensor, delta: Tensor, norm: Tensor, wqkv: Tensor, bqkv: Tensor | None,
+                    positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            x = x + delta  # the previous layer's MLP output joins the residual stream here
+            n = x.shape[0]
+            qkv = linear(_rms_norm(x, norm, eps), wqkv)
+            if bqkv is not None:
+                qkv = qkv + bqkv
+            q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], -1)
+            cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+            q = _rope(q.view(n, n_heads, hd), cos, sin)
+            k = _rope(k.view(n, n_kv, hd), cos, sin)
+            return x, q, k, v.view(n, n_kv, hd)
+
+        def attn_out(x: Tensor, attn: Tensor, wo: Tensor, norm: Tensor, w_gate_up: Tensor,
+                     w_down: Tensor) -> tuple[Tensor, Tensor]:
+            x = x + linear(attn, wo)
+            gate, up = linear(_rms_norm(x, norm, eps), w_gate_up).chunk(2, -1)
+            return x, linear(F.silu(gate) * up, w_down)
+
+        return attn_in, attn_out
 
     def _tiled_linear(self, x: Tensor, weight: Tensor) -> Tensor:
         tile = self.row_tile

@@ -1,40 +1,161 @@
-"""Next-token choice per sequence: greedy, or temperature / top-k / top-p with its own RNG.
+"""Next-token choice for a whole step at once: rules mask, greedy, temperature, top-k, top-p.
 
-Each sequence draws from its own generator, so a seeded request samples the same tokens
-whatever else is in the batch.
+One call per step on the device, whatever the batch holds:
+
+  * every row's ban list becomes one index_put on the float32 logits;
+  * greedy rows take the argmax; sampled rows take the argmax of logits/T plus Gumbel
+    noise (the Gumbel-max trick: an exact draw from softmax(logits/T));
+  * the noise of a row is a hash of (the request's seed, the position, the token id),
+    computed on the device: a seeded request draws the same tokens whatever else is in the
+    batch, and a row refused by the rules and decoded again draws the same noise, so the
+    draw is the best allowed token under it;
+  * float32 throughout, non-finite values made safe, and a row with nothing allowed
+    returns -1 instead of raising: no input can make this function fail.
+
+Returns a (2, rows) int64 tensor: the chosen tokens, and each row's first choice before
+the rules' mask (so the engine can say when the mask steered the answer).
 """
 
 from __future__ import annotations
 
-import secrets
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .sequence import Sampling
+from .sequence import MIN_TEMPERATURE
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 
-def make_generator(sampling: Sampling, device: torch.device) -> torch.Generator | None:
-    if sampling.greedy:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
-    return gen
+def noise_key(seed: int, position: int) -> int:
+    """A 32-bit key per (request seed, position): splitmix64 of the two, on the host."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xC2B2AE3D27D4EB4F + 0x165667B19E3779F9) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) & _M32
 
 
-def sample(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token from one row of logits."""
-    if sampling.greedy:
-        return int(torch.argmax(logits))
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = cum - torch.softmax(sorted_logits, -1) >= sampling.top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def uniform_noise(keys: Tensor, vocab: int) -> Tensor:
+    """(rows, vocab) floats in (0, 1), a pure function of each row's key and the token id.
+
+    A 32-bit integer hash evaluated in int64 with multipliers below 2**31, so no product
+    overflows on any device."""
+    v = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    h = (v[None, :] * 0x27D4EB2F + keys[:, None]) & _M32
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) & _M32
+    h = h ^ (h >> 12)
+    h = (h * 0x297A2D39) & _M32
+    h = h ^ (h >> 15)
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32 and never rounds to 0 or 1, so the
+    # Gumbel noise is finite and a banned (-inf) logit stays -inf.
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+@dataclass
+class SamplingRows:
+    """Per-row parameters of one step, built on the host."""
+
+    temperature: list[float]  # 0: greedy
+    top_k: list[int]  # 0: off
+    top_p: list[float]  # 1: off
+    keys: list[int]  # noise_key(seed, position)
+    bans: list[list[int]]  # sorted token ids each row may not take
+
+    @property
+    def sampled(self) -> bool:
+        return any(t > 0 for t in self.temperature)  # NaN is not: greedy
+
+    @property
+    def filtered(self) -> bool:
+        return any(k > 0 for k in self.top_k) or any(p < 1.0 for p in self.top_p)
+
+
+@dataclass
+class DeviceParams:
+    """SamplingRows' numbers on the device (the runner stages them through pinned memory)."""
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor
+    keys: Tensor
+    filtered: bool
+
+    @classmethod
+    def of(cls, rows: SamplingRows, device: torch.device) -> DeviceParams:
+        floats = torch.tensor([rows.temperature, rows.top_p], dtype=torch.float32).to(device)
+        ints = torch.tensor([rows.top_k, rows.keys], dtype=torch.int64).to(device)
+        return cls(floats[0], floats[1], ints[0], ints[1], rows.filtered)
+
+
+class BanIndex:
+    """Host arrays of ban lists, kept by identity: the rules hand out the same list object for
+    the same matcher state, so a step's mask is one concatenation, not a list walk."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._arrays: dict[int, tuple[list[int], np.ndarray]] = {}
+        self._capacity = capacity
+
+    def array(self, bans: list[int]) -> np.ndarray:
+        hit = self._arrays.get(id(bans))
+        if hit is not None and hit[0] is bans:
+            return hit[1]
+        if len(self._arrays) >= self._capacity:
+            self._arrays.clear()
+        arr = np.asarray(bans, dtype=np.int64)
+        self._arrays[id(bans)] = (bans, arr)  # the list is kept alive, so its id stays its own
+        return arr
+
+    def flat(self, bans: list[list[int]]) -> np.ndarray | None:
+        """(2, n) row and column indices of every ban of the step, or None."""
+        lengths = [len(b) for b in bans]
+        if not any(lengths):
+            return None
+        cols = np.concatenate([self.array(b) for b in bans if b])
+        rows = np.repeat(np.arange(len(bans), dtype=np.int64), lengths)
+        return np.stack([rows, cols])
+
+
+def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tensor | None) -> Tensor:
+    """Tokens for a step: logits (rows, vocab); rows None when every row is greedy; bans a
+    (2, n) index tensor on the logits' device."""
+    x = logits.float()
+    first = x.argmax(-1)
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+    if bans is not None:
+        x[bans[0], bans[1]] = float("-inf")
+    if isinstance(rows, SamplingRows):
+        rows = DeviceParams.of(rows, x.device) if rows.sampled else None
+    if rows is not None:
+        x = _sampled(x, rows)
+    best, token = x.max(-1)
+    token = torch.where(best > float("-inf"), token, -1)  # nothing allowed: the engine halts it
+    return torch.stack([token, first])
+
+
+def _sampled(x: Tensor, p: DeviceParams) -> Tensor:
+    sampled = p.temperature > 0  # NaN is not: greedy
+    # Within [MIN_TEMPERATURE, 1e4]: -inf / inf would be NaN, and x / 1e-45 is not finite.
+    scale = torch.where(sampled, p.temperature, 1.0).clamp(MIN_TEMPERATURE, 1e4)
+    scaled = (x / scale[:, None]).clamp(max=_FLOAT_MAX)
+    if p.filtered:
+        scaled = _top_k_top_p(scaled, p.top_k, p.top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(p.keys, x.shape[-1])))
+    return torch.where(sampled[:, None], scaled + gumbel, x)
+
+
+def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Drop what is outside each row's top k and nucleus; a row keeps at least one token."""
+    ordered, order = x.sort(-1, descending=True)
+    k = torch.where(top_k > 0, top_k, x.shape[-1]).clamp(max=x.shape[-1])
+    rank = torch.arange(x.shape[-1], device=x.device)[None, :]
+    drop = rank >= k[:, None]
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), -1).nan_to_num(0.0)
+    # The smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+    drop |= ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False
+    return x.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))

@@ -1,25 +1,34 @@
-"""One request's decoding state, from admission to finish."""
+"""One request's decoding state, from admission to finish: bookkeeping only (no torch, no protobuf)."""
 
 from __future__ import annotations
 
 import enum
+import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prometheus_client import Counter
-
 from finsieve.policy.guard import Guard, Intervention
-from finsieve.v1 import chat_pb2
 
 from .tokens import IncrementalText, find_stop, stop_holdback
 
-# Counted where every intervention becomes an event.
-INTERVENTIONS = Counter("finsieve_interventions", "Policy interventions", ["rule_id", "action"])
+# Below this a temperature is greedy: dividing logits by less overflows float32.
+MIN_TEMPERATURE = 1e-4
+
+
+class Finish(enum.IntEnum):
+    """Why an answer ended; the values are chat.proto's FinishReason."""
+
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    CONTENT_FILTER = 3
+    CANCELLED = 4
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling parameters with the server defaults filled in."""
+    """Sampling parameters with the server defaults filled in and every value made safe."""
 
     max_tokens: int
     temperature: float  # 0: greedy
@@ -27,6 +36,18 @@ class Sampling:
     top_k: int  # 0: off
     seed: int | None
     stop: tuple[str, ...]
+
+    @classmethod
+    def safe(cls, max_tokens: int, temperature: float, top_p: float, top_k: int,
+             seed: int | None, stop: tuple[str, ...]) -> Sampling:
+        """Whatever reaches the engine: NaN, negative or tiny temperatures are greedy, a top_p
+        outside (0, 1) is off, a negative top_k is off. The gateway refuses such values first;
+        this is the engine's own guard, so no request can make the batched sampler fail."""
+        if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+            temperature = 0.0
+        if not (math.isfinite(top_p) and 0.0 < top_p < 1.0):
+            top_p = 1.0
+        return cls(max_tokens, float(temperature), float(top_p), max(int(top_k), 0), seed, stop)
 
     @property
     def greedy(self) -> bool:
@@ -36,7 +57,7 @@ class Sampling:
 class Sink(Protocol):
     """Where a sequence's events go: one per gateway stream."""
 
-    def deliver(self, events: list[chat_pb2.ChatServerMessage]) -> None: ...
+    def deliver(self, events: list[Any]) -> None: ...
 
 
 class Status(enum.Enum):
@@ -58,12 +79,27 @@ class Sequence:
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     text: IncrementalText = field(init=False)  # the raw answer, for stop strings
-    released_tokens: int = 0  # output tokens accounted for in Deltas sent
-    finish_reason: int = chat_pb2.FINISH_REASON_UNSPECIFIED
-    rng: Any = None  # torch.Generator of a sampled (non-greedy) sequence
+    released_tokens: int = 0  # output tokens accounted for in deltas sent
+    finish_reason: Finish = Finish.NONE
+    # Scheduling state. The KV cache holds (or a launched step is writing) the first `kv_len`
+    # positions of the context; `ahead` launched steps will each sample one more token
+    # for it; `stale` launched steps computed from a token since taken back: their
+    # results are dropped. Between steps: kv_len == context_len - 1 + ahead.
+    kv_len: int = 0
+    ahead: int = 0
+    stale: int = 0
+    pending_row: int = -1  # the row of the last launched step that samples its next token
+    # Token ids the rules ban at the next position; None until a step needs the exact list
+    # (an optimistic row runs under the policy's base bans and is checked after).
+    bans: list[int] | None = None
+    attempts: int = 0  # tokens refused at the current position
+    noise_seed: int = 0  # the per-request key of its sampling noise
+    admitted_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.text = IncrementalText(self.guard.token_bytes)
+        seed = self.sampling.seed
+        self.noise_seed = seed if seed is not None else secrets.randbits(63)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -74,23 +110,37 @@ class Sequence:
         return self.guard.policy.version
 
     @property
-    def last_token(self) -> int:
-        """The token the next forward pass feeds: the KV cache holds everything before it."""
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
-
-    @property
     def context_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        return (self.prompt_ids[start:end] if end <= n
+                else self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n])
+
     @property
     def done(self) -> bool:
-        return self.finish_reason != chat_pb2.FINISH_REASON_UNSPECIFIED
+        return self.finish_reason is not Finish.NONE
+
+    def redo(self, valid: int | None = None) -> None:
+        """Drop what launched steps will say about this sequence; its next step feeds what the
+        cache lacks and samples after its last token (SAR, rewrite, resample, a stale mask).
+        `valid`: positions whose KV still stands (a rollback changed the tokens after them)."""
+        self.stale += self.ahead
+        self.ahead = 0
+        keep = self.context_len - 1 if valid is None else min(valid, self.context_len - 1)
+        self.kv_len = min(self.kv_len, keep)
 
     def append(self, token_id: int, is_eos: bool) -> None:
         """Take one generated token the policy accepted; decide whether it ends the answer."""
         self.output_ids.append(token_id)
+        self.attempts = 0
         if is_eos:
-            self.finish_reason = chat_pb2.FINISH_REASON_STOP
+            self.finish_reason = Finish.STOP
             return
         before = len(self.text.text)
         self.text.add(token_id)
@@ -99,10 +149,10 @@ class Sequence:
             cut = find_stop(self.text.text, self.sampling.stop, max(0, before - longest + 1))
             if cut >= 0:
                 self.text.text = self.text.text[:cut]
-                self.finish_reason = chat_pb2.FINISH_REASON_STOP
+                self.finish_reason = Finish.STOP
                 return
         if len(self.output_ids) >= self.sampling.max_tokens:
-            self.finish_reason = chat_pb2.FINISH_REASON_LENGTH
+            self.finish_reason = Finish.LENGTH
 
     def extend(self, forced: list[int]) -> None:
         """Tokens a rewrite put into the answer."""
@@ -116,10 +166,11 @@ class Sequence:
         self.text = IncrementalText(self.guard.token_bytes)
         for t in self.output_ids:
             self.text.add(t)
-        self.finish_reason = chat_pb2.FINISH_REASON_UNSPECIFIED
+        self.finish_reason = Finish.NONE
+        self.attempts = 0
 
-    def take_delta(self) -> chat_pb2.ChatServerMessage | None:
-        """The text that became final since the last Delta, if any."""
+    def take_delta(self) -> tuple[str, int] | None:
+        """The text that became final since the last delta, and the tokens it accounts for."""
         final = self.done
         limit = None
         if final:
@@ -132,26 +183,4 @@ class Sequence:
         if not text and not (final and tokens):
             return None
         self.released_tokens = tokens_now
-        return chat_pb2.ChatServerMessage(
-            request_id=self.request_id, delta=chat_pb2.Delta(text=text, tokens=tokens)
-        )
-
-    def finished_event(self) -> chat_pb2.ChatServerMessage:
-        usage = chat_pb2.Usage(
-            prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids)
-        )
-        return chat_pb2.ChatServerMessage(
-            request_id=self.request_id,
-            finished=chat_pb2.Finished(finish_reason=self.finish_reason, usage=usage),
-        )
-
-    def policy_event(self, i: Intervention, scope: str = "output") -> chat_pb2.ChatServerMessage:
-        INTERVENTIONS.labels(i.rule_id, i.action).inc()
-        return chat_pb2.ChatServerMessage(
-            request_id=self.request_id,
-            policy_event=chat_pb2.PolicyEvent(
-                rule_id=i.rule_id, action=i.action, start=i.start, end=i.end,
-                rolled_back=i.rolled_back, tokens_recomputed=i.tokens_recomputed,
-                message=i.message, scope=scope, suppressed=i.suppressed,
-            ),
-        )
+        return text, tokens

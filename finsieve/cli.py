@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"])
     s.add_argument("--max-batch", type=int)
     s.add_argument("--max-context", type=int)
+    s.add_argument("--max-waiting", type=int, help="requests waiting for a KV slot (then refused)")
+    s.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step")
+    s.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="CUDA: torch.compile the decode step")
+    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   help="CUDA: decode steps as CUDA graphs")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (0 = off)")
     s.add_argument("--tls-cert", metavar="PEM", help="certificate chain served on every listener")
     s.add_argument("--tls-key", metavar="PEM", help="its private key (mode 600)")
@@ -146,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from finsieve import logs
-    from finsieve.serve import serve
+    from finsieve.serve import EngineStopped, serve
 
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items() if k in Settings.__dataclass_fields__
@@ -166,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
             for problem in e.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1
-        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError)):
+        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError, EngineStopped)):
             print(f"finsieve serve: {e}", file=sys.stderr)
             return 1
         raise
@@ -189,9 +196,10 @@ def _load_pack(directory: Path):
     """The compiled pack, or None after printing every problem (`file:line: id: field: why`)."""
     from finsieve.policy.pack import Pack
     from finsieve.policy.schema import PackError
+    from finsieve.policy.sources import PackLimits
 
-    try:
-        return Pack.load(directory)
+    try:  # the same bounds as the server (FINSIEVE_RULES_MAX_BYTES, …)
+        return Pack.load(directory, PackLimits.of(Settings.load()))
     except PackError as e:
         for problem in e.problems:
             print(problem, file=sys.stderr)

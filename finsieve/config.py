@@ -90,10 +90,45 @@ class Settings:
     batch_invariant: bool = _setting(
         True, "CPU: fixed 8-row matmul tiles so an answer never depends on the batch"
     )
+    max_waiting: int = _setting(
+        256, "requests waiting for a KV slot; beyond, RESOURCE_EXHAUSTED with a retry hint")
+    prefill_chunk: int = _setting(
+        2048, "prompt tokens prefilled per step (chunked prefill): the longest stall a burst of "
+        "prompts causes the running streams")
+    gpu_memory_utilization: float = _setting(
+        0.9, "CUDA: share of the device's memory the engine may fill (weights + KV slots)")
+    compile: bool = _setting(True, "CUDA: torch.compile the decode step (fuses elementwise work)")
+    cuda_graphs: bool = _setting(True, "CUDA: run decode steps as CUDA graphs per batch bucket")
     max_tokens_limit: int = _setting(1024, "largest max_tokens a request may ask for")
     default_max_tokens: int = _setting(256, "max_tokens when a request leaves it unset")
     max_input_bytes: int = _setting(262144, "largest total size of a request's messages")
     drain_seconds: float = _setting(20.0, "on SIGTERM, how long in-flight requests may finish")
+    # Bounds on what one client or one rule pack can cost (README: "Bounds").
+    max_messages: int = _setting(256, "messages per request")
+    max_message_bytes: int = _setting(
+        1048576, "largest frame a client may send; bigger ends its call (RESOURCE_EXHAUSTED)")
+    max_in_flight_per_stream: int = _setting(64, "requests in flight on one Chat stream")
+    max_in_flight_per_connection: int = _setting(
+        256, "requests in flight on one client connection (all its streams)")
+    max_streams: int = _setting(1000, "calls open at once on the public port (gRPC "
+                                "maximum_concurrent_rpcs); more get RESOURCE_EXHAUSTED")
+    outbox_max_events: int = _setting(
+        1024, "events waiting for a slow client on one stream (deltas merged); more ends it")
+    slow_reader_grace_s: float = _setting(
+        30.0, "a stream whose client reads nothing for this long is ended")
+    keepalive_time_s: float = _setting(60.0, "ping a silent peer (client, engine) after this long")
+    keepalive_timeout_s: float = _setting(20.0, "drop a peer that does not answer a ping in time")
+    min_ping_interval_s: float = _setting(
+        10.0, "peers may ping at most this often (must not exceed keepalive_time_s)")
+    max_connection_idle_s: float = _setting(900.0, "close a connection with no call for this long; 0 = never")
+    max_connection_age_s: float = _setting(
+        0.0, "close connections after this long (calls get drain_seconds to finish); 0 = never")
+    engine_connect_timeout_s: float = _setting(
+        3.0, "an engine not connected within this long is marked down (probed in the background)")
+    rules_max_bytes: int = _setting(4194304, "largest rule pack (all files together)")
+    regex_timeout_ms: float = _setting(
+        20.0, "one regex search of the rules; past it the rule counts as matched (fail closed)")
+    rules_debounce_ms: int = _setting(100, "hot reload waits this long for edits to settle")
     metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0 = off)")
     log_format: Literal["auto", "json", "console"] = _setting(
         "auto", "log rendering: auto = console on a terminal, JSON otherwise"
@@ -127,7 +162,12 @@ class Settings:
 
     def validate(self) -> None:
         positive = ("max_batch", "max_context", "max_tokens_limit", "default_max_tokens",
-                    "max_input_bytes", "max_rollbacks")
+                    "max_input_bytes", "max_rollbacks", "max_waiting", "prefill_chunk",
+                    "max_messages", "max_message_bytes", "max_in_flight_per_stream",
+                    "max_in_flight_per_connection", "max_streams", "outbox_max_events",
+                    "slow_reader_grace_s", "keepalive_time_s", "keepalive_timeout_s",
+                    "min_ping_interval_s", "engine_connect_timeout_s", "rules_max_bytes",
+                    "regex_timeout_ms", "rules_debounce_ms")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
@@ -137,6 +177,8 @@ class Settings:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.key_cache_max <= 0:
             raise ConfigError(f"{self.env_name('key_cache_max')}: must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("FINSIEVE_GPU_MEMORY_UTILIZATION: must be in (0, 1]")
         if self.audit_anchor_interval_s <= 0:
             raise ConfigError("FINSIEVE_AUDIT_ANCHOR_INTERVAL_S: must be positive")
         if self.audit_wait_replicas < 0 or self.audit_wait_timeout_ms <= 0:
@@ -147,6 +189,13 @@ class Settings:
                               "(a page must fit a gRPC message)")
         if not 0 <= self.audit_nice <= 19:
             raise ConfigError("FINSIEVE_AUDIT_NICE: must be between 0 and 19")
+        for name in ("max_connection_idle_s", "max_connection_age_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{self.env_name(name)}: must not be negative (0 = never)")
+        if self.min_ping_interval_s > self.keepalive_time_s:
+            raise ConfigError("FINSIEVE_MIN_PING_INTERVAL_S: must not exceed FINSIEVE_KEEPALIVE_TIME_S "
+                              "(gateways ping engines that often)")
+        _validate_frame_limit(self)
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError("FINSIEVE_DEFAULT_MAX_TOKENS: must not exceed max_tokens_limit")
         if self.role == "gateway" and not self.engines:
@@ -154,6 +203,19 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+def _validate_frame_limit(s: Settings) -> None:
+    """Every request validation accepts must fit a frame, and every frame the engine link."""
+    from finsieve.gateway.validation import largest_valid_request
+    from finsieve.grpc_server import MAX_MESSAGE_BYTES
+
+    if s.max_message_bytes > MAX_MESSAGE_BYTES:
+        raise ConfigError(f"FINSIEVE_MAX_MESSAGE_BYTES: at most {MAX_MESSAGE_BYTES}")
+    need = largest_valid_request(s.max_input_bytes, s.max_messages)
+    if s.max_message_bytes < need:
+        raise ConfigError(f"FINSIEVE_MAX_MESSAGE_BYTES: at least {need} with these "
+                          "FINSIEVE_MAX_INPUT_BYTES and FINSIEVE_MAX_MESSAGES (a valid request must fit)")
 
 
 def _parse(name: str, hint: Any, value: Any, source: str) -> Any:

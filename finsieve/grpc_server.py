@@ -10,12 +10,61 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-# Room for a request at the input limit plus protobuf framing; bigger is refused by gRPC.
+from finsieve.config import Settings
+
+# The most a client's frame may be (FINSIEVE_MAX_MESSAGE_BYTES is at most this), and the
+# gateway <-> engine link's limit: a forwarded request differs from the client's frame only by
+# its id (at most ~20 bytes longer), so whatever a gateway accepts fits the link by construction.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-CHANNEL_OPTIONS = [
+ENGINE_MESSAGE_BYTES = MAX_MESSAGE_BYTES + 64 * 1024
+CHANNEL_OPTIONS = [  # clients' channels
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def server_options(settings: Settings, receive_bytes: int,
+                   clients: bool = True) -> list[tuple[str, int]]:
+    """A server's limits: frame size, keepalive (a silent peer is dropped), and for servers of
+    clients (not an engine's, whose gateways hold their stream open for good) idle and age."""
+    options = [
+        ("grpc.max_receive_message_length", receive_bytes),
+        ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", _ms(settings.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(settings.keepalive_timeout_s)),
+        # Peers may ping (also with no call open), at most every min_ping_interval_s: more
+        # often twice and the connection is closed (GOAWAY "too_many_pings").
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(settings.min_ping_interval_s)),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
+    if clients and settings.max_connection_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(settings.max_connection_idle_s)))
+    if clients and settings.max_connection_age_s > 0:
+        options += [("grpc.max_connection_age_ms", _ms(settings.max_connection_age_s)),
+                    ("grpc.max_connection_age_grace_ms", _ms(settings.drain_seconds))]
+    return options
+
+
+def engine_channel_options(settings: Settings) -> list[tuple[str, int]]:
+    """The gateway's channel to an engine: the link's limit, and keepalive pings so that an
+    engine that stops answering breaks the stream (its requests fail, it is marked down)."""
+    return [
+        ("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", _ms(settings.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(settings.keepalive_timeout_s)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Come back quickly after an engine restarts instead of gRPC's default backoff (minutes).
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
 
 
 @dataclass
@@ -43,11 +92,16 @@ class RunningServer:
 
 
 async def start_server(address: str, services: list[Service], *,
+                       options: list[tuple[str, int]] | None = None,
+                       max_concurrent_rpcs: int | None = None,
                        credentials: grpc.ServerCredentials | None = None,
                        interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
     """Serve `services` (plus health and reflection) on `address`; TLS when credentials are
-    given (plaintext otherwise: callers check that this is allowed, see finsieve.tls)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    given (plaintext otherwise: callers check that this is allowed, see finsieve.tls).
+    max_concurrent_rpcs: calls beyond it are refused with RESOURCE_EXHAUSTED."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS if options is None else options,
+                             maximum_concurrent_rpcs=max_concurrent_rpcs,
+                             interceptors=list(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for s in services:

@@ -27,10 +27,17 @@ from finsieve.gateway.identity import ClientAuthenticator
 from finsieve.gateway.keys import KeyStore
 from finsieve.gateway.limits import tenant_limiter
 from finsieve.gateway.rules import GatewayPolicy, compile_gateway_policy
-from finsieve.gateway.server import GatewayService
-from finsieve.grpc_server import RunningServer, Service, start_server
+from finsieve.gateway.server import Bounds, GatewayService
+from finsieve.grpc_server import (
+    ENGINE_MESSAGE_BYTES,
+    RunningServer,
+    Service,
+    engine_channel_options,
+    server_options,
+    start_server,
+)
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
-from finsieve.v1 import chat_pb2, chat_pb2_grpc, engine_pb2, engine_pb2_grpc
+from finsieve.v1 import chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey, connect, redact
 
 log = structlog.get_logger(__name__)
@@ -38,6 +45,10 @@ log = structlog.get_logger(__name__)
 GATEWAY = chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ENGINE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 DEV_TENANT = "default"
+
+
+class EngineStopped(RuntimeError):
+    """The engine's device failed: the process exits non-zero so its supervisor restarts it."""
 
 
 async def serve(settings: Settings) -> None:
@@ -57,6 +68,8 @@ async def serve(settings: Settings) -> None:
     if settings.metrics_port:
         prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
         log.info("metrics serving", address=f"{settings.host}:{settings.metrics_port}")
+    failed = asyncio.Event()  # the engine's device failed
+    servers: list[RunningServer] = []
     async with AsyncExitStack() as stack:
         engine_addresses = list(settings.engines)
         client = None
@@ -68,7 +81,7 @@ async def serve(settings: Settings) -> None:
                 settings, officers.Secrets(url, password, key, keys_secret))
             stack.callback(officers_process.stop)
         if settings.role in ("all", "engine"):
-            address = await _start_engine(settings, engine_secret, stack)
+            address = await _start_engine(settings, engine_secret, stack, servers, failed)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
         if client is not None:
             audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
@@ -86,30 +99,47 @@ async def serve(settings: Settings) -> None:
             gateway, running = await _start_gateway(
                 settings, engine_addresses, EngineCredentials(engine_secret, engine_tls), audit,
                 keys, client, rules, stack)
+            servers.append(running)
             await _admin(audit, {"event": "server_start", "role": settings.role})
             watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
-            await stop.wait()
+            await _until(stop, failed)
             watch.cancel()
-            await running.set_serving(False)  # load balancers stop sending first
-            log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
-            await gateway.drain(settings.drain_seconds)
+            for s in servers:  # load balancers stop sending first
+                await s.set_serving(False)
+            if not failed.is_set():
+                log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
+                await gateway.drain(settings.drain_seconds)
             await _admin(audit, {"event": "server_stop", "role": settings.role})
             await anchoring.stop()
         else:
-            await stop.wait()
+            await _until(stop, failed)
+            for s in servers:
+                await s.set_serving(False)
+    if failed.is_set():
+        raise EngineStopped("the engine's device failed; exiting so that it is restarted")
     log.info("stopped")
 
 
-async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack) -> str:
+async def _until(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+
+
+async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack,
+                        servers: list[RunningServer], failed: asyncio.Event) -> str:
     # Imported here: a gateway-only process never loads torch.
     from finsieve.engine.engine import EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model, resolve_device
-    from finsieve.engine.server import EngineService
+    from finsieve.engine.server import EngineService, add_to_server
 
     device = resolve_device(settings.device)
     model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
     limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
-                          settings.batch_invariant, settings.max_rollbacks)
+                          settings.batch_invariant, settings.max_rollbacks, settings.max_waiting,
+                          settings.prefill_chunk, settings.gpu_memory_utilization,
+                          settings.compile, settings.cuda_graphs)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     holder = None
     if settings.rules:
@@ -117,22 +147,33 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
         engine.policy = lambda: holder.current
     else:
         log.warning("serving without rules (--no-rules): answers are not filtered")
-    thread = threading.Thread(target=engine.run, name="engine-loop", daemon=True)
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        engine.run()
+        if engine.failed.is_set():
+            loop.call_soon_threadsafe(failed.set)
+
+    thread = threading.Thread(target=run, name="engine-loop", daemon=True)
     thread.start()
     stack.callback(thread.join, 10)
     stack.callback(engine.stop)
     apart = settings.role == "engine"  # else in this process, on loopback, for our gateway
     host = settings.host if apart else "127.0.0.1"
     port = settings.engine_port if apart else 0
-    service = Service(ENGINE, EngineService(engine, holder), engine_pb2_grpc.add_EngineServicer_to_server)
+    service = Service(ENGINE, EngineService(engine, holder), add_to_server)
     # Engines trust only gateways: the shared secret, or a client certificate they verified.
     gate = AuthInterceptor(SharedSecret(secret, trust_client_certificates=apart and bool(
         settings.tls_client_ca)), roles_for({ENGINE: GATEWAY_ROLE}))
-    running = await start_server(f"{host}:{port}", [service], interceptors=[gate],
-                                 credentials=tls.server_credentials(settings) if apart else None)
+    running = await start_server(
+        f"{host}:{port}", [service],
+        options=server_options(settings, ENGINE_MESSAGE_BYTES, clients=False),
+        interceptors=[gate], credentials=tls.server_credentials(settings) if apart else None)
+    servers.append(running)
     stack.push_async_callback(running.server.stop, 1)
     log.info("engine serving", address=f"{host}:{running.port}", model=engine.model_name,
-             device=str(device), max_batch=engine.max_batch, max_context=engine.max_context)
+             device=str(device), max_batch=engine.max_batch, max_context=engine.max_context,
+             mode=engine.mode)
     return f"{host}:{running.port}"
 
 
@@ -141,12 +182,15 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
     from finsieve.policy.reload import RulesWatcher
+    from finsieve.policy.sources import PackLimits
 
     directory, luts = Path(settings.rules), Path(settings.luts)
+    limits = PackLimits.of(settings)
     tokens = TokenTable.load_or_build(token_bytes, luts)
-    policy, version = compile_policy(directory, tokens, luts)
+    policy, version = compile_policy(directory, tokens, luts, limits)
     holder = PolicyHolder(policy, version)
-    watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts))
+    watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts, limits),
+                           settings.rules_debounce_ms)
     watcher.start()
     stack.callback(watcher.stop)
     log.info("rules loaded", version=version, rules=len(policy.pack.rules), directory=str(directory))
@@ -159,10 +203,13 @@ def _gateway_rules(settings: Settings, key: bytes,
     masking in the trail), hot-reloaded like theirs."""
     if not settings.rules:
         return None
-    directory = Path(settings.rules)
-    policy, version = compile_gateway_policy(directory, key)
+    from finsieve.policy.sources import PackLimits
+
+    directory, limits = Path(settings.rules), PackLimits.of(settings)
+    policy, version = compile_gateway_policy(directory, key, limits)
     holder = PolicyHolder(policy, version)
-    watcher = RulesWatcher(directory, holder, lambda d: compile_gateway_policy(d, key))
+    watcher = RulesWatcher(directory, holder, lambda d: compile_gateway_policy(d, key, limits),
+                           settings.rules_debounce_ms)
     watcher.start()
     stack.callback(watcher.stop)
     return holder
@@ -210,23 +257,29 @@ async def _start_gateway(
     audit: AuditLog, keys: KeyStore, client: redis.Redis,
     rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
+    from finsieve.gateway.frames import add_gateway_to_server
     from finsieve.gateway.validation import Limits
 
     auth = ClientAuthenticator.from_settings(settings, keys)
     limiter = tenant_limiter(settings, client)
     renew = asyncio.create_task(limiter.renew_leases())
     stack.callback(renew.cancel)
-    pool = EnginePool(engines, engine_credentials)
+    pool = EnginePool(engines, settings.engine_connect_timeout_s, engine_channel_options(settings),
+                      engine_credentials)
+    pool.start()
     stack.push_async_callback(pool.close)
     cache = ResponseCache(client, audit, settings.cache_ttl_s, settings.cache_max_bytes) \
         if settings.cache_ttl_s > 0 else None
-    gateway = GatewayService(pool, Limits(settings.max_tokens_limit, settings.max_input_bytes),
-                             audit, cache, settings.audit_fail_open, rules, auth, limiter)
+    limits = Limits(settings.max_tokens_limit, settings.max_input_bytes, settings.max_messages)
+    bounds = Bounds(settings.max_in_flight_per_stream, settings.max_in_flight_per_connection,
+                    settings.outbox_max_events, settings.slow_reader_grace_s)
+    gateway = GatewayService(pool, limits, audit, cache, settings.audit_fail_open, rules, bounds,
+                             auth, limiter)
     credentials = tls.server_credentials(settings)
     running = await start_server(
-        f"{settings.host}:{settings.port}",
-        [Service(GATEWAY, gateway, chat_pb2_grpc.add_GatewayServicer_to_server)],
-        credentials=credentials,
+        f"{settings.host}:{settings.port}", [Service(GATEWAY, gateway, add_gateway_to_server)],
+        options=server_options(settings, settings.max_message_bytes),
+        max_concurrent_rpcs=settings.max_streams, credentials=credentials,
         interceptors=[AuthInterceptor(auth, roles_for({GATEWAY: "app"}))])
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)

@@ -118,8 +118,8 @@ def index_values(record: dict[str, Any]) -> list[tuple[str, str]]:
     values = [(f, str(record[f])) for f in ("tenant", "user", "finish_reason", "request_id",
                                              "audit_id") if record.get(f)]
     for i in record.get("interventions") or []:
-        if isinstance(i, dict):
-            values += [("rule_id", str(i.get("rule_id", ""))), ("action", str(i.get("action", "")))]
+        if isinstance(i, dict):  # proto JSON omits an empty rule_id
+            values += [(f, str(i[f])) for f in ("rule_id", "action") if i.get(f)]
     values += [("match", str(h)) for h in record.get("match_hashes") or []]
     return sorted(set(values))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finsieve.policy.pack import Pack
+from finsieve.policy.sources import DEFAULT_LIMITS, PackLimits
 
 from .sensitive import Sensitive
 
@@ -27,7 +28,8 @@ class GatewayPolicy:
         return self.pack.version
 
 
-def compile_gateway_policy(directory: Path, key: bytes) -> tuple[GatewayPolicy, str]:
+def compile_gateway_policy(directory: Path, key: bytes,
+                           limits: PackLimits = DEFAULT_LIMITS) -> tuple[GatewayPolicy, str]:
     """Load a rules directory (raises schema.PackError); `key` is the audit key."""
-    pack = Pack.load(directory)
+    pack = Pack.load(directory, limits)
     return GatewayPolicy(pack, Sensitive(pack, key)), pack.version

@@ -49,7 +49,7 @@ class Sensitive:
     """Protects stored text according to the rules of one pack."""
 
     def __init__(self, pack: Pack, key: bytes) -> None:
-        self.rules = RuleSet([r for r in pack.rules if r.audit != "keep"])
+        self.rules = RuleSet([r for r in pack.rules if r.audit != "keep"], pack.input.regex_timeout_s)
         self.by_id = {r.id: r for r in pack.rules}
         self.key = key
 

@@ -3,6 +3,12 @@
 Each Chat stream multiplexes many requests by the client's request_id. The gateway gives
 each one an internal id for the engine and maps events back. On SIGTERM it drains: new
 requests are refused, requests in flight may finish until the deadline, then streams end.
+
+What one client can cost is bounded (README "Bounds"): requests in flight per stream and per
+connection, events waiting for it (a client that stops reading is ended after a grace
+period), cancels (only the first for a live request reaches the engine). When a stream
+ends for any reason (the client left, its deadline passed, it was ended), every request
+still on it is cancelled at the engine and audited as CANCELLED.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 import grpc
 import structlog
+from prometheus_client import Counter
 
 from finsieve.auth import (
     CHECK_UNAVAILABLE_MESSAGE,
@@ -25,13 +32,14 @@ from finsieve.auth import (
     Principal,
     caller,
 )
-from finsieve.errors import RequestError, invalid, retry_status
+from finsieve.errors import RequestError, error_event, invalid, retry_status
 from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 from .audit import AuditError, AuditLog
 from .cache import CachedAnswer, ResponseCache, cache_key
 from .engines import TERMINAL, EngineClient, EnginePool
+from .frames import BadFrame
 from .identity import ClientAuthenticator
 from .limits import Limiter
 from .outbox import Outbox
@@ -41,11 +49,27 @@ from .validation import Limits, validate
 
 log = structlog.get_logger(__name__)
 
+CANCELS = Counter("finsieve_gateway_cancels", "Cancels from clients: forwarded to the engine, or "
+                  "dropped (unknown, finished or already cancelled)", ["outcome"])
+STREAMS_ENDED = Counter("finsieve_streams_ended", "Chat streams the gateway ended", ["reason"])
+RETRY_AFTER_MS = 1000  # hint with RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Per-client bounds (Settings: max_in_flight_per_stream, …)."""
+
+    max_in_flight_per_stream: int = 64
+    max_in_flight_per_connection: int = 256
+    outbox_max_events: int = 1024
+    slow_reader_grace_s: float = 30.0
+
 
 @dataclass(eq=False)
 class _InFlight:
     internal_id: str
     engine: EngineClient | None = None  # set once the engine accepted it
+    cancelled: bool = False  # a cancel was asked for (sent once the engine has it)
 
 
 @dataclass(eq=False)
@@ -53,9 +77,11 @@ class _Stream:
     """One client's Chat stream: its caller, outbox and requests in flight by client id."""
 
     caller: Principal
-    out: Outbox = field(default_factory=Outbox)
+    peer: str
+    out: Outbox
     in_flight: dict[str, _InFlight] = field(default_factory=dict)
     reading_done: bool = False
+    closed: bool = False
 
     def close_if_idle(self, draining: bool) -> None:
         if (self.reading_done or draining) and not self.in_flight:
@@ -66,27 +92,30 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
     def __init__(self, engines: EnginePool, limits: Limits, audit: AuditLog | None = None,
                  cache: ResponseCache | None = None, audit_fail_open: bool = False,
                  rules: PolicyHolder[GatewayPolicy] | None = None,
-                 auth: ClientAuthenticator | None = None, limiter: Limiter | None = None) -> None:
+                 bounds: Bounds | None = None, auth: ClientAuthenticator | None = None,
+                 limiter: Limiter | None = None) -> None:
         self.engines = engines
         self.limits = limits
         self.audit = audit
         self.cache = cache
         self.rules = rules  # the gateway's own copy: cache replay check, masking in the trail
         self.audit_fail_open = audit_fail_open
+        self.bounds = bounds or Bounds()
         self.auth = auth
         self.limiter = limiter
         self._instance = secrets.token_hex(6)  # names this gateway's stream leases in Redis
         self._stream_count = itertools.count()
         self.draining = False
         self._streams: set[_Stream] = set()
-        self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores
+        self._per_peer: dict[str, int] = {}  # requests in flight per client connection
+        self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores, cancels
 
     async def Chat(
         self,
-        request_iterator: AsyncIterator[chat_pb2.ChatClientMessage],
+        request_iterator: AsyncIterator[chat_pb2.ChatClientMessage | BadFrame],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[chat_pb2.ChatServerMessage]:
-        stream = _Stream(caller())
+    ) -> None:
+        stream = _Stream(caller(), context.peer(), Outbox(self.bounds.outbox_max_events))
         stream_id = f"{self._instance}:{next(self._stream_count)}"
         if self.limiter is not None and (
                 wait := await self.limiter.open_stream(stream.caller.tenant, stream_id)):
@@ -96,52 +125,117 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
-            while True:
-                for msg in await stream.out.take():
-                    if msg is None:
-                        return
-                    yield msg
+            await self._write(stream, context)
         finally:
+            # No await here: this also runs when the call was cancelled (client gone, deadline).
+            stream.closed = True
+            stream.out.close()
             reader.cancel()
             self._streams.discard(stream)
             if self.limiter is not None:
-                await self.limiter.close_stream(stream_id)
-            for flight in stream.in_flight.values():
-                if flight.engine is not None:
-                    await flight.engine.cancel(flight.internal_id)
+                self._in_background(self.limiter.close_stream(stream_id))
+            if stream.in_flight:
+                self._in_background(self._cancel_all(list(stream.in_flight.values())))
+
+    async def _write(self, stream: _Stream, context: grpc.aio.ServicerContext) -> None:
+        """Send the outbox until the stream's end. A write blocks while the client does not
+        read (gRPC flow control): past the grace period, or when the outbox overflows, the
+        stream is ended."""
+        grace = self.bounds.slow_reader_grace_s
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as timer:
+                stream.out.on_overflow = lambda: timer.reschedule(loop.time())
+                while True:
+                    batch = await stream.out.take()
+                    for msg in batch:
+                        if msg is None:
+                            return
+                        timer.reschedule(loop.time() + grace)
+                        await context.write(msg)
+                    timer.reschedule(None)
+        except TimeoutError:
+            if stream.out.overflowed:
+                await self._end(context, "overflow", f"more than {stream.out.max_events} events "
+                                "waited for this client: it reads too slowly")
+            await self._end(context, "slow_reader", f"the client read nothing for {grace:g} s")
+
+    async def _end(self, context: grpc.aio.ServicerContext, reason: str, message: str) -> None:
+        STREAMS_ENDED.labels(reason).inc()
+        log.warning("chat stream ended", reason=reason)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     async def _read(
-        self, requests: AsyncIterator[chat_pb2.ChatClientMessage], stream: _Stream
+        self, requests: AsyncIterator[chat_pb2.ChatClientMessage | BadFrame], stream: _Stream
     ) -> None:
         try:
             async for msg in requests:
-                if msg.WhichOneof("msg") == "cancel":
-                    flight = stream.in_flight.get(msg.cancel.request_id)
-                    if flight is not None and flight.engine is not None:
-                        await flight.engine.cancel(flight.internal_id)
+                await stream.out.room()  # backpressure: gRPC flow control then slows the client
+                if isinstance(msg, BadFrame):
+                    stream.out.put(error_event(msg.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                               f"{msg.field or 'frame'}: {msg.reason}", msg.field))
+                elif msg.WhichOneof("msg") == "cancel":
+                    await self._cancel(stream, msg.cancel.request_id)
                 elif msg.WhichOneof("msg") == "request":
                     await self._start(msg.request, stream)
+                else:
+                    stream.out.put(invalid("msg", "a message carries a request or a cancel").to_event(""))
         except grpc.aio.AioRpcError:
             pass  # the client went away; Chat's finally cancels its requests
         stream.reading_done = True
         stream.close_if_idle(self.draining)
 
+    async def _cancel(self, stream: _Stream, client_id: str) -> None:
+        flight = stream.in_flight.get(client_id)
+        if flight is None or flight.cancelled:  # unknown, finished or already cancelled
+            CANCELS.labels("dropped").inc()
+            return
+        flight.cancelled = True
+        CANCELS.labels("forwarded").inc()
+        if flight.engine is not None:  # else _submit sends it once the engine has the request
+            await flight.engine.cancel(flight.internal_id)
+
+    async def _cancel_all(self, flights: list[_InFlight]) -> None:
+        for flight in flights:
+            if not flight.cancelled:
+                flight.cancelled = True
+                if flight.engine is not None:
+                    await flight.engine.cancel(flight.internal_id)
+
+    def _admit(self, req: chat_pb2.ChatRequest, stream: _Stream) -> None:
+        """Raise RequestError unless this request may start now."""
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry elsewhere")
+        validate(req, self.limits)
+        if req.request_id in stream.in_flight:
+            raise invalid("request_id", "a request with this id is already in flight on this stream")
+        b = self.bounds
+        if len(stream.in_flight) >= b.max_in_flight_per_stream:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{b.max_in_flight_per_stream} requests are already in flight on this "
+                               "stream (FINSIEVE_MAX_IN_FLIGHT_PER_STREAM)", retry_after_ms=RETRY_AFTER_MS)
+        if self._per_peer.get(stream.peer, 0) >= b.max_in_flight_per_connection:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{b.max_in_flight_per_connection} requests are already in flight on "
+                               "this connection (FINSIEVE_MAX_IN_FLIGHT_PER_CONNECTION)",
+                               retry_after_ms=RETRY_AFTER_MS)
+
     async def _start(self, req: chat_pb2.ChatRequest, stream: _Stream) -> None:
-        client_id = req.request_id
         try:
-            if self.draining:
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "the gateway is shutting down; retry elsewhere"
-                )
-            validate(req, self.limits)
-            if client_id in stream.in_flight:
-                raise invalid("request_id", "a request with this id is already in flight on this stream")
-            await self._admit(stream.caller)
+            self._admit(req, stream)
+            await self._authorize(stream.caller)
         except RequestError as e:
-            stream.out.put(e.to_event(client_id))
+            stream.out.put(e.to_event(req.request_id))
             return
         flight = _InFlight(self.engines.new_id())
-        stream.in_flight[client_id] = flight
+        stream.in_flight[req.request_id] = flight
+        self._per_peer[stream.peer] = self._per_peer.get(stream.peer, 0) + 1
+        # Shielded: if the stream ends meanwhile, the submission still completes (and is then
+        # cancelled), so no request is left generating for nobody.
+        await asyncio.shield(self._submit(req, stream, flight))
+
+    async def _submit(self, req: chat_pb2.ChatRequest, stream: _Stream, flight: _InFlight) -> None:
+        client_id = req.request_id
         policy = self.rules.current if self.rules else None
         trace = Trace(req, stream.caller, policy.sensitive if policy else None)
 
@@ -153,7 +247,9 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 event.finished.audit_id = str(trace.audit_id)
             stream.out.put(event)
             if event.WhichOneof("event") in TERMINAL:
-                stream.in_flight.pop(client_id, None)
+                if stream.in_flight.get(client_id) is flight:
+                    del stream.in_flight[client_id]
+                self._release(stream.peer)
                 _log_outcome(event, trace.started)
                 stream.close_if_idle(self.draining)
 
@@ -174,15 +270,35 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 for event in hit.events:
                     deliver(event)
                 return
+            if flight.cancelled or stream.closed:  # gone before it reached an engine
+                relay(chat_pb2.ChatServerMessage(finished=chat_pb2.Finished(
+                    finish_reason=chat_pb2.FINISH_REASON_CANCELLED)))
+                return
             trace.audit_id = await self._audit("request_started", trace.started_record)
             internal = chat_pb2.ChatRequest()
             internal.CopyFrom(req)
+            internal.DiscardUnknownFields()  # only what the contract names reaches an engine
             internal.request_id = flight.internal_id
             flight.engine = await self.engines.submit(internal, relay)
         except RequestError as e:
             relay(e.to_event(client_id))
+            return
+        except Exception:  # fail this request, never the stream
+            log.exception("request failed in the gateway")
+            relay(error_event(client_id, grpc.StatusCode.INTERNAL, "the gateway failed this request"))
+            return
+        if flight.cancelled or stream.closed:
+            flight.cancelled = True
+            await flight.engine.cancel(flight.internal_id)
 
-    async def _admit(self, who: Principal) -> None:
+    def _release(self, peer: str) -> None:
+        left = self._per_peer.get(peer, 0) - 1
+        if left > 0:
+            self._per_peer[peer] = left
+        else:
+            self._per_peer.pop(peer, None)
+
+    async def _authorize(self, who: Principal) -> None:
         """A stream's key is checked again for each request (revocation, expiry), then the
         tenant's request and token rates."""
         try:

@@ -1,8 +1,13 @@
-"""Checks of a client's ChatRequest: the first field at fault becomes the Error's field."""
+"""Checks of a client's ChatRequest: the first field at fault becomes the Error's field.
+
+Counts are checked before anything is iterated, so a frame of a million empty messages
+costs one comparison. Every bound is in the README ("Bounds").
+"""
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 from finsieve.errors import invalid
@@ -14,12 +19,35 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 64
 MAX_METADATA_ENTRIES = 32
 MAX_METADATA_CHARS = 256
+# Sampling: dividing logits by a temperature below the floor overflows float32 (1e-45 is a
+# valid float). top_k beyond a few hundred is top_k off in all but name.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 1000
+
+
+def _float32(x: float) -> float:
+    """x as the wire carries it: a client's 0.01 arrives as 0.0099999998, and is allowed."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass(frozen=True)
 class Limits:
     max_tokens: int
     max_input_bytes: int
+    max_messages: int = 256
+
+
+def largest_valid_request(max_input_bytes: int, max_messages: int) -> int:
+    """An upper bound on the wire size of a ChatClientMessage that validation accepts: the
+    messages' text plus the most every other field may add (UTF-8: 4 bytes a character)."""
+    varint, tag = 5, 1
+    per_message = 2 * (tag + varint) + (tag + varint + len("assistant"))
+    stop = MAX_STOP_STRINGS * (tag + varint + 4 * MAX_STOP_CHARS)
+    metadata = MAX_METADATA_ENTRIES * (3 * (tag + varint) + 2 * 4 * MAX_METADATA_CHARS)
+    params = 6 * (tag + 10) + stop + 2 * (tag + varint)
+    request_id = tag + varint + 4 * MAX_REQUEST_ID
+    return max_input_bytes + max_messages * per_message + metadata + params + request_id + 2 * (tag + varint)
 
 
 def validate(req: chat_pb2.ChatRequest, limits: Limits) -> None:
@@ -30,10 +58,12 @@ def validate(req: chat_pb2.ChatRequest, limits: Limits) -> None:
         raise invalid("request_id", f"at most {MAX_REQUEST_ID} characters")
     if not req.messages:
         raise invalid("messages", "at least one message is required")
+    if len(req.messages) > limits.max_messages:
+        raise invalid("messages", f"at most {limits.max_messages} messages")
     total = 0
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
-            raise invalid(f"messages[{i}].role", f"{m.role!r} is not one of {', '.join(ROLES)}")
+            raise invalid(f"messages[{i}].role", f"{m.role[:32]!r} is not one of {', '.join(ROLES)}")
         total += len(m.content.encode())
         if total > limits.max_input_bytes:
             raise invalid(
@@ -53,12 +83,14 @@ def validate(req: chat_pb2.ChatRequest, limits: Limits) -> None:
 def _validate_params(p: chat_pb2.SamplingParams, limits: Limits) -> None:
     if not 0 <= p.max_tokens <= limits.max_tokens:
         raise invalid("params.max_tokens", f"must be between 1 and {limits.max_tokens} (0 = default)")
-    if not (math.isfinite(p.temperature) and 0 <= p.temperature <= 2):
-        raise invalid("params.temperature", "must be between 0 and 2 (0 = greedy)")
+    t = p.temperature
+    if not (math.isfinite(t) and (t == 0 or _float32(MIN_TEMPERATURE) <= t <= MAX_TEMPERATURE)):
+        raise invalid("params.temperature",
+                      f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}")
     if not (math.isfinite(p.top_p) and 0 <= p.top_p <= 1):
         raise invalid("params.top_p", "must be between 0 and 1 (0 = unset, i.e. 1)")
-    if p.top_k < 0:
-        raise invalid("params.top_k", "must not be negative (0 = off)")
+    if not 0 <= p.top_k <= MAX_TOP_K:
+        raise invalid("params.top_k", f"must be between 0 (off) and {MAX_TOP_K}")
     if len(p.stop) > MAX_STOP_STRINGS:
         raise invalid("params.stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for i, s in enumerate(p.stop):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -15,9 +16,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
-from finsieve.client import wait_ready
+from finsieve.client import chat_request, wait_ready
+from finsieve.policy.pack import Pack
+from finsieve.policy.schema import PackError
+from finsieve.policy.sources import PackLimits
+from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 # The converted default model is prepared once by `make setup` and shared by all tests.
@@ -210,6 +216,7 @@ class ChatStream:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = chat_pb2_grpc.GatewayStub(self._channel).Chat(self._requests())
         self.events: list = []  # every event received, in order
+        self._counted = 0  # events until_done has accounted for
 
     async def _requests(self):
         while (msg := await self._outbox.get()) is not None:
@@ -246,11 +253,14 @@ class ChatStream:
         """Read until every named request has its terminal event; events per request."""
         from finsieve.client import is_terminal
 
-        waiting = set(request_ids)
+        # Terminal events the test read itself since the last until_done count too.
+        waiting = set(request_ids) - {e.request_id for e in self.events[self._counted:]
+                                      if is_terminal(e)}
         while waiting:
             event = await self.next(timeout)
             if is_terminal(event):
                 waiting.discard(event.request_id)
+        self._counted = len(self.events)
         return {rid: [e for e in self.events if e.request_id == rid] for rid in request_ids}
 
 
@@ -302,3 +312,165 @@ def text_of(events: list) -> str:
 
 def kinds(events: list) -> list[str]:
     return [e.WhichOneof("event") for e in events]
+
+
+# -- a server with small bounds, for hostile clients and rule packs ----------------------
+
+CANARY = """\
+rules:
+  - id: canary
+    description: an input rule that proves which pack is in force
+    kind: literal
+    patterns: [canary phrase]
+    scope: input
+    action: halt
+"""
+
+# Small enough that tests reach every bound cheaply; see the README's table for each.
+TIGHT_ENV = {
+    "FINSIEVE_MAX_INPUT_BYTES": "16384",
+    "FINSIEVE_MAX_MESSAGES": "16",
+    "FINSIEVE_MAX_MESSAGE_BYTES": "131072",
+    "FINSIEVE_MAX_IN_FLIGHT_PER_STREAM": "4",
+    "FINSIEVE_MAX_IN_FLIGHT_PER_CONNECTION": "6",
+    "FINSIEVE_MAX_STREAMS": "24",
+    "FINSIEVE_OUTBOX_MAX_EVENTS": "64",
+    "FINSIEVE_SLOW_READER_GRACE_S": "2",
+    "FINSIEVE_RULES_DEBOUNCE_MS": "20",
+    "FINSIEVE_RULES_MAX_BYTES": "1048576",
+    "FINSIEVE_CACHE_TTL_S": "0",  # every request reaches the engine
+}
+
+
+@dataclass
+class TightServer:
+    server: Server
+    rules: Path  # its rules directory: tests write packs here
+    metrics_url: str
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    @functools.cached_property
+    def engine_target(self) -> str:
+        import json
+
+        for line in self.server.log().splitlines():
+            if '"engine serving"' in line:
+                return json.loads(line)["address"]
+        raise AssertionError("no engine address in the log")
+
+    @functools.cached_property
+    def _engine(self) -> engine_pb2_grpc.EngineStub:
+        return engine_pb2_grpc.EngineStub(grpc.insecure_channel(self.engine_target))
+
+    def engine_info(self) -> engine_pb2.EngineInfo:
+        return self._engine.Info(engine_pb2.InfoRequest(), timeout=30)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A counter's value from the server's Prometheus endpoint (0 if not yet counted)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+
+@pytest.fixture(scope="session")
+def tight_server(tmp_path_factory: pytest.TempPathFactory,
+                 default_model_dir: Path) -> Iterator[TightServer]:
+    tmp = tmp_path_factory.mktemp("tight")
+    rules = tmp / "rules"
+    rules.mkdir()
+    (rules / "canary.yaml").write_text(CANARY)
+    metrics = free_port()
+    srv = start_server(tmp, "--model", str(default_model_dir), "--rules", str(rules),
+                       "--luts", str(tmp / "luts"), "--metrics-port", str(metrics), env=TIGHT_ENV)
+    yield TightServer(srv, rules, f"http://127.0.0.1:{metrics}/metrics")
+    srv.stop()
+
+
+class RawStream:
+    """A Chat call that sends raw bytes, as a hostile client can."""
+
+    def __init__(self, target: str, options: list | None = None, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=options)
+        self._frames: asyncio.Queue[bytes | None] = asyncio.Queue()
+        chat = self.channel.stream_stream("/finsieve.v1.Gateway/Chat", request_serializer=lambda b: b,
+                                          response_deserializer=chat_pb2.ChatServerMessage.FromString)
+        self.call = chat(self._send(), timeout=timeout)
+
+    async def _send(self):
+        while (frame := await self._frames.get()) is not None:
+            yield frame
+
+    def close_writes(self) -> None:
+        self._frames.put_nowait(None)
+
+    def send(self, frame: bytes | chat_pb2.ChatRequest) -> None:
+        if isinstance(frame, chat_pb2.ChatRequest):
+            frame = chat_pb2.ChatClientMessage(request=frame).SerializeToString()
+        self._frames.put_nowait(frame)
+
+    async def terminals(self, n: int, timeout: float = 300) -> list[chat_pb2.ChatServerMessage]:
+        out = []
+        while len(out) < n:
+            e = await asyncio.wait_for(self.call.read(), timeout)
+            assert e is not grpc.aio.EOF, out
+            if e.WhichOneof("event") in ("finished", "error"):
+                out.append(e)
+        return out
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await self.channel.close()
+
+
+def wait_for(condition, timeout: float = 30.0, every: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(every)
+    return False
+
+
+TIGHT_LIMITS = PackLimits(max_bytes=int(TIGHT_ENV["FINSIEVE_RULES_MAX_BYTES"]))
+
+
+def apply(tight_server: TightServer, change) -> engine_pb2.EngineInfo:
+    """Change the running server's rules directory and wait until its engine shows the outcome
+    the same loader gives here: the new version in force, or one more rejection."""
+    before = tight_server.engine_info()
+    change()
+    try:
+        expected = Pack.load(tight_server.rules, TIGHT_LIMITS).version
+    except PackError:
+        expected = None
+
+    def seen() -> bool:
+        info = tight_server.engine_info()
+        if expected is None:
+            return info.pack_rejections > before.pack_rejections
+        return info.policy_version == expected
+
+    assert wait_for(seen, 60)
+    return tight_server.engine_info()
+
+
+def canary_halts(tight_server) -> bool:
+    """The input rule in canary.yaml is in force: a message containing it is not decoded."""
+    async def go():
+        async with ChatStream(tight_server.target) as s:
+            s.send(chat_request("canary", "say: canary phrase", max_tokens=2))
+            return (await s.until_done("canary"))["canary"]
+
+    events = asyncio.run(go())
+    return (events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER
+            and any(e.policy_event.rule_id == "canary" for e in events))

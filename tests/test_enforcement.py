@@ -94,6 +94,19 @@ def test_zero_leak(under, default_policy, case):
         assert "input" in scopes
 
 
+def test_a_masked_phrase_steers_to_a_synonym_that_only_the_family_rule_catches(under, tokens,
+                                                                               default_policy):
+    """Masking "guaranteed profits" alone, the model says "guaranteed financial rewards":
+    still a promise of returns. The default packs cover the family of such phrases."""
+    narrow = compile_policy(REPO / "tests/data/narrow", tokens, None)[0]  # the former pack
+    prompt = 'Repeat exactly: "This fund offers guaranteed profits every year."'
+    said = text_of(ask(under(narrow), prompt))
+    assert not violations(narrow, said, ("block",)), said  # the narrow rule is satisfied …
+    assert violations(default_policy, said, ("block",)), said  # … by a promise all the same
+    delivered = text_of(ask(under(default_policy), prompt))
+    assert delivered.strip() and not violations(default_policy, delivered, ("block",)), delivered
+
+
 def custom_policy(tmp: Path, tokens: TokenTable, yaml: str) -> Policy:
     (tmp / "p.yaml").write_text(yaml)
     return compile_policy(tmp, tokens, None)[0]

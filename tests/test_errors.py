@@ -44,7 +44,7 @@ CASES = {
     "negative top_p": (_params(top_p=-0.1), "params.top_p"),
     "top_p above 1": (_params(top_p=1.5), "params.top_p"),
     "prompt longer than the context": (_content("interest rates and bonds " * 1200), "messages"),
-    "2 MB message": (_content("x" * 2 * 1024 * 1024), "messages[0].content"),
+    "message over the input limit": (_content("x" * 512 * 1024), "messages[0].content"),
     "empty request_id": (lambda r: setattr(r, "request_id", ""), "request_id"),
 }
 

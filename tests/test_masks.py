@@ -12,11 +12,22 @@ from hypothesis import strategies as st
 from finsieve.engine.tokens import token_byte_table
 from finsieve.policy.masks import MaskTables, TokenTable
 from finsieve.policy.matcher import StreamMatcher
+from finsieve.policy.normalize import normalize
 from finsieve.policy.pack import RuleSet
 from finsieve.policy.schema import Rule
 
-PATTERNS = ["guaranteed returns", "稳赚不赔", "保本保息", "risk free", "no risk at all", "年化15%", "a b"]
-FRAGMENTS = [*PATTERNS, "GUARANTEED", "Returns", " ", "  ", "\n", "\u200d", "１５％", "年化", "稳赚", "RISK"]
+PATTERNS = ["guaranteed returns", "稳赚不赔", "保本保息", "risk free", "no risk at all", "年化15%", "a b",
+            "pay", "收益 ok", "доход", "12 bot"]
+# Spellings a reader takes for the patterns: look-alike letters (Cyrillic, Greek), invisible
+# and control characters, decorating marks, spaces inside CJK phrases; and foreign text that
+# only looks like a pattern ("рау" is all Cyrillic: not a match).
+EVASIONS = ["guarant\u0435\u0435d returns", "\u0440\u0430y", "\u0440\u0430\u0443", "\u03a1\u0391\u03a5",
+            "r\u0456sk\x00free", "no\u202erisk at a\u200dll", "稳 赚 不 赔", "保\u3000本 保\ufe0f息",
+            "p\u0301a\u20ddy", "收益\x00ok", "收益 ｏｋ", "д\u043eход", "d\u043ex\u043ed", "12 вот", "вот",
+            "１２\u00a0в\u03bft"]
+FRAGMENTS = [*PATTERNS, *EVASIONS, "GUARANTEED", "Returns", " ", "  ", "\n", "\u200d", "１５％", "年化",
+             "稳赚", "RISK", "\u0435", "\u0430", "\u0440", "\x00", "稳 ", " 赚", "\u3000", "\U000e0041",
+             "\u0301"]
 RULES = RuleSet([Rule("r", "d", "literal", tuple(PATTERNS), "output", "block", "", (), 20,
                       "high", (), "", "test")])
 
@@ -35,18 +46,22 @@ def sentencepiece_vocab() -> list[bytes]:
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     words = ["▁guaranteed", "▁returns", "▁return", "s", "▁risk", "▁free", "▁no", "▁at", "▁all",
              "guarant", "eed", "▁re", "turn", "稳", "赚", "不赔", "稳赚", "保本", "保息", "年化", "15",
-             "%", "▁a", "▁b", "b", "▁", "▁GUARANTEED", "▁Risk", "▁FREE", "▁a▁b"]
+             "%", "▁a", "▁b", "b", "▁", "▁GUARANTEED", "▁Risk", "▁FREE", "▁a▁b", "▁pay", "p", "ay",
+             "▁р", "а", "у", "ау", "▁ра", "е", "ее", "д", "ох", "од", "收益", "▁ok", "ok", "▁o", "▁赚",
+             "赚▁", "▁收益", "\u200d", "\x00", "▁12", "▁вот", "от", "▁bot", "t"]
     vocab = {p: i for i, p in enumerate(pieces + words)}
     return token_byte_table(vocab, special_ids={0, 1, 2})
 
 
-def completes(text: bytes, token: bytes) -> bool:
-    """Ground truth: does the streaming matcher report a new literal match for this token?"""
+def completing(text: bytes, tokens: list[bytes]) -> list[bool]:
+    """Ground truth: does the streaming matcher report a new literal match for each token?"""
     m = StreamMatcher(RULES)
     m.feed(text)
-    before = len(m.matches)
-    m.feed(token)
-    return len(m.matches) > before
+    out = []
+    for token in tokens:
+        out.append(bool(m.feed(token)))
+        m.rollback(1)
+    return out
 
 
 def texts(vocab: list[bytes]) -> st.SearchStrategy[bytes]:
@@ -72,8 +87,10 @@ def check_exact(vocab: list[bytes], tables: MaskTables, data: st.DataObject) -> 
     for p in PATTERNS:
         for k in range(1, len(p)):
             candidates += tables.tokens.index.starting_with(p[k:])[:3]
-    for t in candidates:
-        assert completes(text, vocab[t]) == (t in banned), (text, vocab[t])
+            candidates += tables.tokens.index.starting_with(" " + p[k:])[:3]
+    truth = completing(text, [vocab[t] for t in candidates])
+    for t, completes in zip(candidates, truth, strict=True):
+        assert completes == (t in banned), (text, vocab[t])
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -96,11 +113,11 @@ def test_ban_set_is_exact_at_every_byte_cut_of_every_pattern(request, kind):
     vocab = request.getfixturevalue("bpe_vocab") if kind == "bpe" else sentencepiece_vocab()
     tables = _tables(vocab)
     everyone = range(len(vocab)) if kind == "sentencepiece" else None
-    for pattern in PATTERNS:
+    for pattern in PATTERNS + EVASIONS:
         for variant in (pattern, pattern.upper(), pattern.replace(" ", "  ")):
             data = variant.encode()
             for cut in range(1, len(data)):
-                for context in (b"", b"Well ", "　".encode()):
+                for context in (b"", b"Well ", "　".encode(), "好".encode(), "好 ".encode()):
                     text = context + data[:cut]
                     m = StreamMatcher(RULES)
                     m.feed(text)
@@ -108,11 +125,13 @@ def test_ban_set_is_exact_at_every_byte_cut_of_every_pattern(request, kind):
                     candidates = everyone or {
                         *banned,
                         *(i for g in tables.tokens.groups.values() for i in g.ids),
-                        *(i for k in range(len(pattern))
-                          for i in tables.tokens.index.starting_with(pattern[k:])[:50]),
+                        *(i for k in range(len(pattern)) for i in [
+                            *tables.tokens.index.starting_with(normalize(pattern)[k:])[:50],
+                            *tables.tokens.index.starting_with(" " + normalize(pattern)[k:])[:50]]),
                     }
-                    for t in candidates:
-                        assert completes(text, vocab[t]) == (t in banned), (text, vocab[t])
+                    truth = completing(text, [vocab[t] for t in candidates])
+                    for t, completes in zip(candidates, truth, strict=True):
+                        assert completes == (t in banned), (text, vocab[t])
 
 
 _CACHE: dict[int, MaskTables] = {}

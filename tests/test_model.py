@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from finsieve.client import chat_request
 from finsieve.engine.engine import EngineLimits, LLMEngine
 from finsieve.engine.hf_runner import HFRunner
 from finsieve.engine.loader import LoadedModel
+from finsieve.engine.sampler import SamplingRows
 
 from conftest import text_of
 
@@ -35,34 +37,42 @@ def test_compact_forward_matches_transformers_greedy(engine, default_model_dir):
     assert ours == _hf_greedy(hf, engine.tokenizer, question, 24)
 
 
+def _decode(model, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    return model.decode(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
+
+
 def test_decode_logits_do_not_depend_on_the_rest_of_the_batch(engine):
-    runner = engine.runner
+    model = engine.model
     prompts = [engine.tokenizer(f"Question number {i} about money").input_ids for i in range(5)]
-    slots = [runner.cache.allocate() for _ in prompts]
-    try:
-        for ids, slot in zip(prompts, slots, strict=True):
-            runner.prefill(ids, slot)
-        alone = runner.decode([42], slots[:1])
-        runner.cache.truncate(slots[0], runner.cache.lengths[slots[0]] - 1)
-        together = runner.decode([42, 7, 8, 9, 10], slots)
-        assert torch.equal(alone[0], together[0])
-    finally:
-        for slot in slots:
-            runner.cache.release(slot)
+    slots = list(range(5))
+    model.prefill([(s, 0, ids) for s, ids in zip(slots, prompts, strict=True)], [False] * 5)
+    lengths = [len(ids) for ids in prompts]
+    alone = _decode(model, [42], lengths[:1], slots[:1])
+    together = _decode(model, [42, 7, 8, 9, 10], lengths, slots)
+    assert torch.equal(alone[0], together[0])
 
 
 def test_rollback_by_truncation_reproduces_the_same_logits(engine):
-    runner = engine.runner
-    slot = runner.cache.allocate()
-    try:
-        runner.prefill(engine.tokenizer("The bank said").input_ids, slot)
-        first = runner.decode([11], [slot])
-        runner.decode([12], [slot])
-        runner.cache.truncate(slot, runner.cache.lengths[slot] - 2)
-        again = runner.decode([11], [slot])
-        assert torch.equal(first, again)
-    finally:
-        runner.cache.release(slot)
+    model = engine.model
+    ids = engine.tokenizer("The bank said").input_ids
+    model.prefill([(0, 0, ids)], [False])
+    n = len(ids)
+    first = _decode(model, [11], [n], [0])
+    _decode(model, [12], [n + 1], [0])
+    again = _decode(model, [11], [n], [0])  # SAR: the length is set back by two tokens
+    assert torch.equal(first, again)
+
+
+def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
+    model = engine.model
+    ids = engine.tokenizer("Explain, step by step, how a mortgage is paid off over thirty years "
+                           "and what an amortization table shows.").input_ids
+    whole = model.prefill([(0, 0, ids)], [True])
+    cut = [0, 5, 6, 17, len(ids)]
+    chunks = [(1, a, ids[a:b]) for a, b in itertools.pairwise(cut)]
+    last = [model.prefill([c], [i == len(chunks) - 1]) for i, c in enumerate(chunks)][-1]
+    torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
+    assert int(last.argmax()) == int(whole.argmax())
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +95,7 @@ def test_other_architectures_fall_back_to_transformers_forward(tiny_gpt2):
     cpu = torch.device("cpu")
     model: LoadedModel = load_model(str(tiny_gpt2), tiny_gpt2, cpu)
     eng = LLMEngine(model, EngineLimits(max_batch=2, max_context=128, default_max_tokens=8), cpu)
-    assert isinstance(eng.runner, HFRunner)
+    assert isinstance(eng.model, HFRunner)
     events = eng.generate(chat_request("g", "Hello there", max_tokens=12))
     assert events[-1].finished.usage.completion_tokens == 12
     assert text_of(events) == _hf_greedy(model.hf_model, model.tokenizer, "Hello there", 12)
@@ -141,23 +151,24 @@ def test_a_qwen2_directory_runs_on_the_compact_forward(tmp_path, engine):
     cpu = torch.device("cpu")
     loaded = load_model(str(tmp_path), tmp_path, cpu)
     eng = LLMEngine(loaded, EngineLimits(max_batch=2, max_context=128, default_max_tokens=8), cpu)
-    assert isinstance(eng.runner, CompactLM)
+    assert isinstance(eng.model, CompactLM)
     events = eng.generate(chat_request("q", "Hello there", max_tokens=12))
     assert text_of(events) == _hf_greedy(loaded.hf_model, loaded.tokenizer, "Hello there", 12)
 
 
+def _rows(n: int, **kw) -> SamplingRows:
+    values = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "keys": 0, "bans": []} | kw
+    return SamplingRows(*([values[k]] * n if k != "keys" else list(range(n))
+                          for k in ("temperature", "top_k", "top_p", "keys", "bans")))
+
+
 def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_token():
-    from finsieve.engine.sampler import make_generator, sample
-    from finsieve.engine.sequence import Sampling
+    from finsieve.engine.sampler import sample
 
     torch.manual_seed(3)
-    logits = torch.randn(500)
-    best = int(torch.argmax(logits))
-    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
-        s = Sampling(max_tokens=1, temperature=1.5, top_p=top_p, top_k=top_k, seed=5, stop=())
-        gen = make_generator(s, torch.device("cpu"))
-        assert {sample(logits, s, gen) for _ in range(50)} == {best}
-    s = Sampling(max_tokens=1, temperature=1.5, top_p=1.0, top_k=5, seed=5, stop=())
-    gen = make_generator(s, torch.device("cpu"))
-    drawn = {sample(logits, s, gen) for _ in range(300)}
-    assert drawn <= set(torch.topk(logits, 5).indices.tolist()) and len(drawn) > 1
+    logits = torch.randn(500).expand(300, 500)
+    best = int(torch.argmax(logits[0]))
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        assert set(sample(logits, _rows(300, **kw), None)[0].tolist()) == {best}
+    drawn = set(sample(logits, _rows(300, top_k=5), None)[0].tolist())
+    assert drawn <= set(torch.topk(logits[0], 5).indices.tolist()) and len(drawn) > 1

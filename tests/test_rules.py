@@ -217,14 +217,38 @@ def test_rollback_restores_the_exact_state():
     m.rollback(3)
     assert m.raw == b"".join(tokens[:3]) and m.tokens == 3
     assert m.matches == []
-    for t in [b"anteed returns", b" ok"]:
+    # " ok. Then" settles the match: "guaranteed returns ok returns" could still have grown.
+    for t in [b"anteed returns", b" ok. Then"]:
         m.feed(t)
     fresh = StreamMatcher(DEFAULT.output)
-    for t in [*tokens[:3], b"anteed returns", b" ok"]:
+    for t in [*tokens[:3], b"anteed returns", b" ok. Then"]:
         fresh.feed(t)
     assert [(x.rule.id, x.start, x.end) for x in m.matches] == \
            [(x.rule.id, x.start, x.end) for x in fresh.matches] != []
     assert m.safe_point == fresh.safe_point
+
+
+def test_text_of_mixed_character_widths_never_crashes_the_matcher():
+    """An emoji (a 4-byte-wide string in CPython), then ASCII: a pyahocorasick iterator fed
+    both with `set()` frees memory it does not own, and the engine process died for every
+    tenant. Run in a child process, where such a crash fails this test, not the test run."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from finsieve.policy.matcher import StreamMatcher\n"
+        "from finsieve.policy.pack import Pack\n"
+        "pack = Pack.load(Path(sys.argv[1]))\n"
+        "for _ in range(300):\n"
+        "    m = StreamMatcher(pack.output)\n"
+        "    for chunk in ('Hello', ' \\U0001F600', ' you get', ' guaranteed', ' profits', '!'):\n"
+        "        m.feed(chunk.encode())\n"
+        "    m.rollback(2)\n"
+        "    m.feed(' \u00e9t\u00e9 \U0001F4B0 guaranteed profits'.encode())\n"
+        "    assert {x.rule.action for x in m.matches} == {'block'}, m.matches\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(REPO / "rules")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_render_replaces_redacted_spans():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from finsieve.config import ConfigError, Settings
@@ -46,29 +48,93 @@ def test_settings_from_environment_and_flags():
     [({"FINSIEVE_PORT": "eighty"}, "FINSIEVE_PORT: 'eighty'"),
      ({"FINSIEVE_ROLE": "boss"}, "expected one of all, engine, gateway"),
      ({"FINSIEVE_MAX_BATCH": "0"}, "FINSIEVE_MAX_BATCH: must be positive"),
-     ({"FINSIEVE_ROLE": "gateway"}, "--engine")],
+     ({"FINSIEVE_ROLE": "gateway"}, "--engine"),
+     ({"FINSIEVE_MAX_MESSAGE_BYTES": "300000"}, "FINSIEVE_MAX_MESSAGE_BYTES: at least 337872"),
+     ({"FINSIEVE_MAX_MESSAGE_BYTES": "9000000"}, "FINSIEVE_MAX_MESSAGE_BYTES: at most 8388608"),
+     ({"FINSIEVE_MIN_PING_INTERVAL_S": "90"}, "must not exceed FINSIEVE_KEEPALIVE_TIME_S"),
+     ({"FINSIEVE_MAX_CONNECTION_AGE_S": "-1"}, "must not be negative"),
+     ({"FINSIEVE_SLOW_READER_GRACE_S": "0"}, "FINSIEVE_SLOW_READER_GRACE_S: must be positive")],
 )
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         Settings.load(env=env)
 
 
-def test_waiting_deltas_of_a_request_go_out_as_one_and_order_is_kept():
-    from finsieve.gateway.outbox import coalesce
+def _delta(rid: str, text: str):
     from finsieve.v1 import chat_pb2
 
-    def delta(rid: str, text: str) -> chat_pb2.ChatServerMessage:
-        return chat_pb2.ChatServerMessage(request_id=rid, delta=chat_pb2.Delta(text=text, tokens=1))
+    return chat_pb2.ChatServerMessage(request_id=rid, delta=chat_pb2.Delta(text=text, tokens=1))
 
-    def finished(rid: str) -> chat_pb2.ChatServerMessage:
-        return chat_pb2.ChatServerMessage(request_id=rid, finished=chat_pb2.Finished())
 
-    held = delta("a", "x")
-    events = [held, delta("a", "y"), delta("b", "1"), delta("a", "z"), finished("a"),
-              delta("a", "late"), delta("b", "2"), None]
-    out = coalesce(events)
+def _finished(rid: str):
+    from finsieve.v1 import chat_pb2
+
+    return chat_pb2.ChatServerMessage(request_id=rid, finished=chat_pb2.Finished())
+
+
+def test_waiting_deltas_of_a_request_go_out_as_one_and_order_is_kept():
+    from finsieve.gateway.outbox import Outbox
+
+    held = _delta("a", "x")
+    events = [held, _delta("a", "y"), _delta("b", "1"), _delta("a", "z"), _finished("a"),
+              _delta("a", "late"), _delta("b", "2"), None]
+    out = Outbox()
+    for e in events:
+        out.put(e)
     summary = [(e.request_id, e.WhichOneof("event"), e.delta.text, e.delta.tokens) if e else None
-               for e in out]
+               for e in asyncio.run(out.take())]
     assert summary == [("a", "delta", "xyz", 3), ("b", "delta", "12", 2), ("a", "finished", "", 0),
                        ("a", "delta", "late", 1), None]
     assert held.delta.text == "x"  # the original is untouched (the cache keeps it)
+
+
+def test_outbox_is_bounded_deltas_merge_and_other_events_overflow_it():
+    from finsieve.gateway.outbox import Outbox
+
+    out = Outbox(max_events=3)
+    for i in range(10_000):  # a long answer to a client that does not read: one event
+        out.put(_delta("a", str(i % 10)))
+    assert not out.overflowed
+    out.put(_finished("a"))
+    out.put(_finished("b"))
+    assert not out.overflowed
+    out.put(_finished("c"))
+    assert out.overflowed
+    out.put(_delta("d", "dropped"))
+    assert asyncio.run(out.take()) == []
+
+
+def test_what_validation_accepts_fits_the_frame_limit_and_the_engine_link():
+    """By construction: a valid request at every limit is within largest_valid_request, and
+    its forwarded copy (a longer internal id) within the gateway-engine link's limit."""
+    from finsieve.gateway.validation import (
+        MAX_METADATA_CHARS,
+        MAX_METADATA_ENTRIES,
+        MAX_REQUEST_ID,
+        MAX_STOP_CHARS,
+        MAX_STOP_STRINGS,
+        Limits,
+        largest_valid_request,
+        validate,
+    )
+    from finsieve.grpc_server import ENGINE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
+    from finsieve.v1 import chat_pb2
+
+    for max_input, max_messages in [(262144, 256), (16384, 16), (7_000_000, 4096)]:
+        wide = "😀"
+        req = chat_pb2.ChatRequest(request_id=wide * MAX_REQUEST_ID)
+        per = max_input // max_messages
+        for _ in range(max_messages):
+            req.messages.add(role="assistant", content="x" * per)
+        p = req.params
+        p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed = 1024, 2.0, 1.0, 1000, -(2**63)
+        p.stop.extend([wide * MAX_STOP_CHARS] * MAX_STOP_STRINGS)
+        for k in range(MAX_METADATA_ENTRIES):
+            req.metadata[f"{k:03d}" + wide * (MAX_METADATA_CHARS - 3)] = wide * MAX_METADATA_CHARS
+        validate(req, Limits(1024, max_input, max_messages))
+        frame = chat_pb2.ChatClientMessage(request=req).ByteSize()
+        assert frame <= largest_valid_request(max_input, max_messages)
+        req.request_id = "r" + "9" * 20  # the longest internal id (a 64-bit counter)
+        forwarded = chat_pb2.ChatClientMessage(request=req).ByteSize()
+        assert forwarded <= frame + 64  # only the id differs
+    assert MAX_MESSAGE_BYTES + 64 <= ENGINE_MESSAGE_BYTES  # so any accepted frame fits the link

@@ -24,6 +24,7 @@ from pathlib import Path
 from .masks import MaskTables, TokenTable
 from .matcher import Match, StreamMatcher
 from .pack import Pack
+from .sources import DEFAULT_LIMITS, PackLimits
 
 # Which action wins when one token completes several matches.
 _PRIORITY = {"halt": 0, "block": 1, "rewrite": 2, "redact": 3}
@@ -38,9 +39,10 @@ class Policy:
     version: str
 
 
-def compile_policy(directory: Path, tokens: TokenTable, luts: Path | None) -> tuple[Policy, str]:
+def compile_policy(directory: Path, tokens: TokenTable, luts: Path | None,
+                   limits: PackLimits = DEFAULT_LIMITS) -> tuple[Policy, str]:
     """Load a rules directory and build its mask tables; raises schema.PackError."""
-    pack = Pack.load(directory)
+    pack = Pack.load(directory, limits)
     masks = MaskTables.load_or_build(
         tokens, pack.output.literal_patterns(("block",)), pack.version, luts)
     return Policy(pack, masks, pack.version), pack.version

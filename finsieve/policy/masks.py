@@ -1,19 +1,30 @@
 """Token-mask tables: which tokens would complete a literal pattern, given the text so far.
 
-A pattern has thousands of tokenizations (casing, spacing, full-width forms, split
-characters), so bans are computed over the *normalized contribution* of each token, not
-over token-id sequences. For a matcher state the exact ban set is:
+A pattern has thousands of tokenizations (casing, spacing, full-width forms, look-alike
+letters, invisible characters, split characters), so bans are computed over the
+*normalized contribution* of each token, not over token-id sequences. The normalized view
+maps each raw character on its own (normalize.py), so a token's contribution is the same
+wherever it stands, except at its start. For a matcher state the exact ban set is:
 
   * tokens whose contribution contains a whole pattern (the always-banned set), and
   * for every live suffix `u` of the text that begins a pattern `u·v`, the tokens whose
-    contribution starts with `v` — one binary search in the sorted contributions.
+    contribution, joined to the text, starts with `v` — a binary search in the sorted
+    contributions for each way the join can go.
 
-Two contexts change a token's contribution: a text ending in a space swallows the token's
-leading space, and pending bytes of an incomplete UTF-8 character are completed by the
-token's leading continuation bytes. The latter are handled per group of tokens sharing
-those leading bytes (a few dozen groups in a byte-level vocabulary).
+What the text ends in decides the join (`normalize.PLAIN`, `SPACE`, `CJK`, `CJK_SPACE`): after
+a space, the token's leading space collapses; after a CJK character, a leading space
+vanishes when a CJK character follows it; after a held space (CJK, then a space), a token
+starting with a CJK character swallows it and any other token starts with it. Pending
+bytes of an incomplete UTF-8 character are completed by the token's leading continuation
+bytes: those are handled per group of tokens sharing them (a few dozen groups in a
+byte-level vocabulary), by feeding the completed character to a normalizer in the same state.
 
-Tables are keyed by tokenizer fingerprint and policy version, and persisted under `luts/`.
+A match counts only if its letters are not all of one script foreign to its pattern
+(scripts.py), so each contribution carries its characters' script tags, and a ban whose
+live suffix has no letter of the pattern's scripts keeps only the tokens that make it count.
+
+Tables are keyed by tokenizer fingerprint, normalized view and policy version, and persisted
+under `luts/`.
 """
 
 from __future__ import annotations
@@ -26,11 +37,14 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .matcher import StreamMatcher
-from .normalize import Normalizer
+from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk
 from .pack import Literals
+from .scripts import ALNUM, accepts, script_tag
 
-FORMAT = 1
+FORMAT = 2
 _CONT = range(0x80, 0xC0)
+# Bytes that put a fresh normalizer in each state (a group's head is fed after them).
+_SEED = {PLAIN: b"", SPACE: b" ", CJK: "一".encode(), CJK_SPACE: "一 ".encode()}
 
 
 def fingerprint(token_bytes: list[bytes]) -> str:
@@ -41,16 +55,12 @@ def fingerprint(token_bytes: list[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
-def _contribution(data: bytes) -> tuple[str, bytes]:
-    """Normalized text of bytes fed to a fresh normalizer, and the bytes left pending."""
+def _contribution(data: bytes) -> tuple[str, bytes, bytes]:
+    """Normalized text and script tags of bytes fed to a fresh normalizer, and the bytes
+    left pending. A space held at the end (after a CJK character) is not part of it."""
     n = Normalizer()
     n.feed(data)
-    return "".join(n.text), n.pending
-
-
-def _join(text: str, more: str) -> str:
-    """text + more in the normalized view: a space after a space collapses."""
-    return text + more[1:] if text.endswith(" ") and more.startswith(" ") else text + more
+    return "".join(n.text), bytes(n.tags), n.pending
 
 
 def _lead(data: bytes) -> int:
@@ -58,6 +68,26 @@ def _lead(data: bytes) -> int:
     while k < len(data) and data[k] in _CONT:
         k += 1
     return k
+
+
+def _mode_of(text: str) -> str:
+    if not text:
+        return PLAIN
+    return SPACE if text[-1] == " " else CJK if is_cjk(text[-1]) else PLAIN
+
+
+def _forms(v: str, mode: str) -> list[tuple[str, int]]:
+    """How a token's contribution can start so that, joined after text in this mode, it
+    starts with v: (prefix, k), where prefix[k:] are the characters of v the token gives
+    (k = 1 when the join drops the prefix's leading space)."""
+    if mode == PLAIN:
+        return [(v, 0)]
+    if mode == SPACE or is_cjk(v[0]):
+        return [(v, 0), (" " + v, 1)]
+    if mode == CJK:
+        return [(v, 0)]
+    # CJK_SPACE: the held space is emitted before anything but a CJK character.
+    return [(v, 0), (v[1:], 0)] if v[0] == " " and len(v) > 1 else []
 
 
 class _Sorted:
@@ -75,11 +105,15 @@ class _Sorted:
 
 
 class TokenTable:
-    """Per tokenizer: each token's normalized contribution, indexed for prefix queries."""
+    """Per tokenizer: each token's normalized contribution and its script tags, indexed for
+    prefix queries; and, for tokens that begin with UTF-8 continuation bytes, those bytes
+    and the contribution of the rest."""
 
-    def __init__(self, fp: str, contrib: list[str], lead: list[bytes], rest: list[str]) -> None:
+    def __init__(self, fp: str, contrib: list[str], tags: list[bytes], lead: list[bytes],
+                 rest: list[str], rest_tags: list[bytes]) -> None:
         self.fingerprint = fp
         self.contrib = contrib
+        self.tags = tags
         self.index = _Sorted(contrib, list(range(len(contrib))))
         groups: dict[bytes, list[int]] = {}
         for i, b in enumerate(lead):
@@ -87,17 +121,22 @@ class TokenTable:
                 groups.setdefault(b, []).append(i)
         self.lead = lead
         self.rest = rest
+        self.rest_tags = rest_tags
         self.groups = {b: _Sorted([rest[i] for i in ids], ids) for b, ids in groups.items()}
 
     @classmethod
     def build(cls, token_bytes: list[bytes]) -> TokenTable:
-        contrib, lead, rest = [], [], []
+        contrib, tags, lead, rest, rest_tags = [], [], [], [], []
         for data in token_bytes:
-            contrib.append(_contribution(data)[0])
+            text, t, _ = _contribution(data)
+            contrib.append(text)
+            tags.append(t)
             k = _lead(data)
             lead.append(data[:k])
-            rest.append(_contribution(data[k:])[0] if k else "")
-        return cls(fingerprint(token_bytes), contrib, lead, rest)
+            text, t, _ = _contribution(data[k:]) if k else ("", b"", b"")
+            rest.append(text)
+            rest_tags.append(t)
+        return cls(fingerprint(token_bytes), contrib, tags, lead, rest, rest_tags)
 
     @classmethod
     def load_or_build(cls, token_bytes: list[bytes], luts: Path | None) -> TokenTable:
@@ -106,16 +145,18 @@ class TokenTable:
         if path is not None and path.exists():
             try:
                 data = json.loads(gzip.decompress(path.read_bytes()))
-                if data["format"] == FORMAT and data["fingerprint"] == fp:
-                    lead = [bytes.fromhex(h) for h in data["lead"]]
-                    return cls(fp, data["contrib"], lead, data["rest"])
+                if (data["format"], data["fingerprint"], data["view"]) == (FORMAT, fp, VIEW_VERSION):
+                    hexes = [[bytes.fromhex(h) for h in data[k]] for k in ("tags", "lead", "rest_tags")]
+                    return cls(fp, data["contrib"], hexes[0], hexes[1], data["rest"], hexes[2])
             except (OSError, ValueError, KeyError):
                 pass  # stale or damaged: rebuilt below
         table = cls.build(token_bytes)
         if path is not None:
             _write(path, gzip.compress(json.dumps({
-                "format": FORMAT, "fingerprint": fp, "contrib": table.contrib,
+                "format": FORMAT, "fingerprint": fp, "view": VIEW_VERSION,
+                "contrib": table.contrib, "tags": [b.hex() for b in table.tags],
                 "lead": [b.hex() for b in table.lead], "rest": table.rest,
+                "rest_tags": [b.hex() for b in table.rest_tags],
             }, ensure_ascii=False).encode(), mtime=0))
         return table
 
@@ -128,17 +169,19 @@ class MaskTables:
         self.tokens = tokens
         self.patterns = Literals({p: p for p in patterns})
         if always_banned is None:
-            always_banned = [i for i, c in enumerate(tokens.contrib) if self._contains(c)]
+            always_banned = [i for i, c in enumerate(tokens.contrib)
+                             if self._completes(c, tokens.tags[i], 0)]
         if not self.patterns.keys:
             always_banned = []
         self.always_banned = sorted(always_banned)
-        self._cache: OrderedDict[tuple[str, bytes], list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, bytes, bytes, str], list[int]] = OrderedDict()
         self._cache_size = cache_size
 
     @classmethod
     def load_or_build(cls, tokens: TokenTable, patterns: list[str], policy_version: str,
                       luts: Path | None) -> MaskTables:
-        digest = hashlib.sha256("\n".join(sorted(set(patterns))).encode()).hexdigest()[:16]
+        listed = "\n".join([VIEW_VERSION, *sorted(set(patterns))])
+        digest = hashlib.sha256(listed.encode()).hexdigest()[:16]
         path = luts / tokens.fingerprint / f"{policy_version}.banned.json" if luts else None
         if path is not None and path.exists():
             try:
@@ -166,19 +209,34 @@ class MaskTables:
         return max(self.patterns.max_len - 1, 0)
 
     def ban_set_for(self, matcher: StreamMatcher) -> list[int]:
-        """The ban set for a matcher's current state (its text and pending bytes)."""
+        """The ban set for a matcher's current state (its text, pending bytes, held space)."""
+        norm = matcher.norm
         keep = self.max_tail
-        tail = "".join(matcher.norm.text[-keep:]) if keep else ""
-        return self.ban_set(tail, matcher.norm.pending)
+        tail = "".join(norm.text[-keep:]) if keep else ""
+        tags = bytes(norm.tags[-keep:]) if keep else b""
+        return self.ban_set(tail, norm.pending, norm.mode, tags)
 
-    def ban_set(self, tail: str, pending: bytes = b"") -> list[int]:
-        """Sorted ids of the tokens that would complete a pattern after `tail` (+ pending bytes)."""
+    def is_banned(self, matcher: StreamMatcher, token: int) -> bool:
+        """Is `token` in the exact ban set of the matcher's state? For the engine's check of a
+        token sampled under the base bans, before its exact mask was known."""
+        banned = self.ban_set_for(matcher)
+        i = bisect.bisect_left(banned, token)
+        return i < len(banned) and banned[i] == token
+
+    def ban_set(self, tail: str, pending: bytes = b"", mode: str | None = None,
+                tags: bytes | None = None) -> list[int]:
+        """Sorted ids of the tokens that would complete a pattern after `tail` (+ pending
+        bytes), the text ending in `mode`, its characters' raw scripts `tags`."""
         if not self.patterns.keys:
             return []
-        live = tail[len(tail) - self.patterns.depth(tail):] if tail else ""
+        mode = mode or _mode_of(tail)
+        if tags is None:
+            tags = bytes(script_tag(c) for c in tail)
+        depth = self.patterns.depth(tail) if tail else 0
+        live, live_tags = tail[len(tail) - depth :], tags[len(tags) - depth :] if depth else b""
         if not live and not pending:
             return self.always_banned
-        key = (live, pending)
+        key = (live, live_tags, pending, mode)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -186,52 +244,73 @@ class MaskTables:
         banned = set(self.always_banned)
         if pending:
             for lead, group in self.tokens.groups.items():
-                banned.update(self._group_bans(live, pending + lead, group))
+                banned.update(self._group_bans(live, live_tags, mode, pending + lead, group))
         else:
-            banned.update(self._continuations(live, self.tokens.index))
+            banned.update(self._continuations(live, live_tags, mode, self.tokens.index,
+                                              self.tokens.tags))
         result = sorted(banned)
         self._cache[key] = result
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return result
 
-    def _group_bans(self, live: str, head_bytes: bytes, group: _Sorted) -> list[int]:
+    def _group_bans(self, live: str, live_tags: bytes, mode: str, head_bytes: bytes,
+                    group: _Sorted) -> list[int]:
         """Bans among the tokens that complete the pending character with these bytes."""
-        head, still_pending = _contribution(head_bytes)
-        if self._completes(live, head):
+        n = Normalizer()
+        n.feed(_SEED[mode])
+        before = len(n.text)
+        n.feed(head_bytes)
+        text = live + "".join(n.text[before:])
+        tags = live_tags + bytes(n.tags[before:])
+        if self._completes(text, tags, len(live)):
             return group.ids
-        if still_pending:
+        if n.pending:
             return []  # the character stays broken: what follows starts after a U+FFFD
-        text = _join(live, head)
-        return self._continuations(text[len(text) - self.patterns.depth(text):], group)
+        depth = self.patterns.depth(text)
+        return self._continuations(text[len(text) - depth :], tags[len(tags) - depth :] if depth else b"",
+                                   n.mode, group, self.tokens.rest_tags)
 
-    def _continuations(self, live: str, index: _Sorted) -> list[int]:
-        """Tokens whose contribution starts with the missing rest of a pattern begun by `live`."""
+    def _continuations(self, live: str, live_tags: bytes, mode: str, index: _Sorted,
+                       token_tags: list[bytes]) -> list[int]:
+        """Tokens whose contribution, joined in `mode`, starts with the missing rest of a
+        pattern begun by `live` and makes a match that counts."""
         out: list[int] = []
-        space_before = live.endswith(" ")
         for length in range(len(live), 0, -1):
             u = live[-length:]
             if not self.patterns.is_live(u):
                 continue
+            u_scripts = set(live_tags[-length:]) - {0}
             for pattern in self.patterns.automaton.keys(u):
                 v = pattern[length:]
                 if not v:
                     continue
-                out += index.starting_with(v)
-                if space_before:  # " v…" loses its space after a space
-                    out += index.starting_with(" " + v)
+                for prefix, k in _forms(v, mode):
+                    ids = index.starting_with(prefix)
+                    if ids:
+                        out += self._counting(ids, pattern, u_scripts, k, len(prefix), token_tags)
         return out
+
+    def _counting(self, ids: list[int], pattern: str, u_scripts: set[int], k: int, end: int,
+                  token_tags: list[bytes]) -> list[int]:
+        """Those of `ids` that complete `pattern` as a match that counts (scripts.py): all of
+        them unless the live part has no letter or digit, or only letters of one foreign script."""
+        scripts = self.patterns.scripts[pattern]
+        if not scripts or len(u_scripts) > 1 or ALNUM in u_scripts or not u_scripts.isdisjoint(scripts):
+            return ids
+        head = bytes(u_scripts)
+        return [i for i in ids if accepts(scripts, head + token_tags[i][k:end])]
 
     # -- pattern helpers ------------------------------------------------------------------
 
-    def _contains(self, s: str) -> bool:
+    def _completes(self, text: str, tags: bytes, start: int) -> bool:
+        """Does text hold a match that counts and ends at or after index `start`?"""
         automaton = self.patterns.automaton
-        return automaton is not None and bool(s) and next(automaton.iter(s), None) is not None
-
-    def _completes(self, live: str, head: str) -> bool:
-        """Does appending `head` to text ending in `live` complete a pattern inside head?"""
-        text = _join(live, head)
-        return any(end >= len(live) for end, _ in self.patterns.automaton.iter(text))
+        if automaton is None or not text:
+            return False
+        scripts = self.patterns.scripts
+        return any(end >= start and accepts(scripts[p], tags[end + 1 - len(p) : end + 1])
+                   for end, p in automaton.iter(text))
 
 
 def _write(path: Path, data: bytes) -> None:

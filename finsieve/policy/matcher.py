@@ -5,9 +5,10 @@ byte offset before which no match can start any more. Everything before it may b
 released to the client; the rest is held back. It keeps a checkpoint per token, so a
 rollback (SAR) to an earlier token is cheap.
 
-Literals: a pyahocorasick iterator fed the new normalized characters, plus the depth of
-the longest live suffix (the longest suffix of the text that still begins a pattern).
-pyahocorasick keeps no restorable state, so a rollback re-feeds the last few characters.
+Literals: pyahocorasick run over the new normalized characters and the few before them that
+a match ending in them could begin with, plus the depth of the longest live suffix (the
+longest suffix of the text that still begins a pattern). So a rollback only restores that
+tail.
 Regexes: searched with partial matching over a bounded window; a complete match that
 could still grow into a longer one (the rest of the text is a prefix of a match from the
 same start) is held until it is settled.
@@ -18,10 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from prometheus_client import Counter
+
 from .normalize import Normalizer
 from .pack import RuleSet
 from .schema import Rule
+from .scripts import accepts
 from .validators import VALIDATORS
+
+REGEX_TIMEOUTS = Counter("finsieve_regex_timeouts", "Regex searches past the rules' timeout "
+                         "(each counted as a match: fail closed)", ["rule_id"])
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class _Checkpoint(NamedTuple):
     pending: bytes
     n_norm: int
     last_end: int
+    space: tuple[int, int] | None
     depth: int
     in_making: tuple[tuple[int, int], ...]
     n_matches: int
@@ -55,8 +63,6 @@ class StreamMatcher:
         self._tail = ""  # the last characters of the normalized text, for literal depth
         self._window = ""  # … and enough of them for every regex (see _regexes)
         self._window_len = rules.max_regex_span + 16
-        self._it = None
-        self._it_base = 0  # normalized index of the iterator's position 0
         # Regex index -> where its earliest match still in the making starts. A regex that
         # is not here has no match starting before the end of the text.
         self._in_making: dict[int, int] = {}
@@ -77,9 +83,13 @@ class StreamMatcher:
         return found
 
     def finish(self) -> list[Match]:
-        """The stream ended: settle regex matches that were waiting for more text."""
+        """The stream ended: settle the held space and regex matches waiting for more text."""
         found: list[Match] = []
-        self._regexes(found, "", final=True)
+        new = self.norm.flush()
+        if new:
+            self._window = (self._window + new)[-self._window_len :]
+            self._literals(new, found)
+        self._regexes(found, new, final=True)
         self.depth = 0
         return found
 
@@ -91,12 +101,13 @@ class StreamMatcher:
 
     @property
     def safe_point(self) -> int:
-        """Raw byte offset before which text is final; pending UTF-8 bytes count as held back."""
+        """Raw byte offset before which text is final; pending UTF-8 bytes and a held space
+        count as held back."""
         n = len(self.norm.text)
         first_unsafe = min(n - self.depth, min(self._in_making.values(), default=n))
         if first_unsafe < n:
             return self.norm.raw_start[first_unsafe]
-        return self.norm.decoded_len
+        return self.norm.settled
 
     @property
     def tokens(self) -> int:
@@ -121,20 +132,13 @@ class StreamMatcher:
         cp = self._checkpoints[tokens]
         del self._checkpoints[tokens + 1 :]
         del self.raw[cp.raw_len :]
-        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end)
+        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end, cp.space)
         del self.matches[cp.n_matches :]
         self.depth = cp.depth
         self._in_making = dict(cp.in_making)
         keep = max(self.rules.literals.max_len - 1, 0)
         self._tail = "".join(self.norm.text[-keep:]) if keep else ""
         self._window = "".join(self.norm.text[-self._window_len :])
-        self._it = None
-        if self.rules.literals.automaton is not None and self._tail:
-            # Re-feed the suffix that decides the automaton's state; its matches are old.
-            self._it_base = cp.n_norm - len(self._tail)
-            self._it = self.rules.literals.automaton.iter(self._tail)
-            for _ in self._it:
-                pass
 
     def render(self, start: int, end: int) -> str:
         """Raw text between byte offsets, with every redact/rewrite match replaced."""
@@ -154,15 +158,20 @@ class StreamMatcher:
         automaton = self.rules.literals.automaton
         if automaton is None:
             return
-        n = len(self.norm.text)
-        if self._it is None:
-            self._it_base = n - len(new)
-            self._it = automaton.iter(new)
-        else:
-            self._it.set(new, False)
-        for end, (pattern, owners) in self._it:
-            end_excl = self._it_base + end + 1
+        # A match that ends in the new text begins at most max_len - 1 characters before
+        # it, in the tail. Each feed scans tail + new with a fresh iterator: pyahocorasick's
+        # `iter.set()` frees memory it does not own when the strings fed to one iterator
+        # differ in width (an emoji, then ASCII), which crashed the engine for everyone.
+        text = self._tail + new
+        base = len(self.norm.text) - len(text)
+        scripts = self.rules.literals.scripts
+        for end, (pattern, owners) in automaton.iter(text):
+            if end < len(self._tail):
+                continue  # ended in the tail: reported when that text was fed
+            end_excl = base + end + 1
             start = end_excl - len(pattern)
+            if not accepts(scripts[pattern], self.norm.tags[start:end_excl]):
+                continue  # genuinely foreign text that happens to look like the pattern
             for rule in owners:
                 found.append(self._match(rule, start, end_excl))
         keep = self.rules.literals.max_len - 1
@@ -204,16 +213,21 @@ class StreamMatcher:
         r = self.rules.regexes[i]
         n = base + len(window)
         while pos < n:
-            # At the end of the stream a match is what it is: no more partials.
-            m = r.pattern.search(window, pos=pos - base, partial=not final)
-            if m is None:
+            timeout = self.rules.regex_timeout_s
+            try:
+                # At the end of the stream a match is what it is: no more partials.
+                m = r.pattern.search(window, pos=pos - base, partial=not final, timeout=timeout)
+                if m is None:
+                    return
+                s, e = m.start() + base, m.end() + base
+                # `regex` prefers a complete match to a partial one: "15%" is complete in
+                # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
+                growing = not final and (m.partial or r.pattern.fullmatch(
+                    window, pos=s - base, partial=True, timeout=timeout) is not None)
+            except TimeoutError:  # a pattern that backtracks: fail closed, as a match of the rest
+                REGEX_TIMEOUTS.labels(r.rule.id).inc()
+                found.append(self._match(r.rule, pos, n))
                 return
-            s, e = m.start() + base, m.end() + base
-            # `regex` prefers a complete match to a partial one: "15%" is complete in
-            # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
-            growing = not final and (
-                m.partial or r.pattern.fullmatch(window, pos=s - base, partial=True) is not None
-            )
             if growing:
                 # Longer than the rule allows (plus one character that a lookahead or
                 # \b may need to settle it): it never matches.
@@ -227,11 +241,12 @@ class StreamMatcher:
                 pos = s + 1
                 continue
             text = window[s - base : e - base]
-            if all(VALIDATORS[v](text) for v in r.rule.validators):
+            if accepts(r.scripts, self.norm.tags[s:e]) and all(
+                    VALIDATORS[v](text) for v in r.rule.validators):
                 found.append(self._match(r.rule, s, e))
                 pos = e
             else:
-                pos = s + 1  # not a real identifier; a match may still start later
+                pos = s + 1  # not a real identifier, or foreign text; one may start later
 
     # -- bookkeeping --------------------------------------------------------------------
 
@@ -255,6 +270,7 @@ class StreamMatcher:
             pending=norm.pending,
             n_norm=len(norm.text),
             last_end=norm.raw_end[-1] if norm.raw_end else 0,
+            space=norm.space,
             depth=self.depth,
             in_making=tuple(self._in_making.items()),
             n_matches=len(self.matches),

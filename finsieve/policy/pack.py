@@ -12,7 +12,10 @@ import ahocorasick
 import regex
 
 from .first_chars import first_chars
+from .normalize import VIEW_VERSION
 from .schema import REGEX_FLAGS, Rule, load_rules
+from .scripts import regex_scripts, scripts_of
+from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 
@@ -22,6 +25,7 @@ class CompiledRegex:
     rule: Rule
     pattern: regex.Pattern[str]
     max_span: int
+    scripts: frozenset[int]  # of its letters: see scripts.py
 
 
 class Literals:
@@ -35,6 +39,7 @@ class Literals:
             for p, value in values.items():
                 self.automaton.add_word(p, value)
             self.automaton.make_automaton()
+        self.scripts = {p: scripts_of(p) for p in self.keys}  # see scripts.py
         # A key that begins a longer key stays a live partial match after it completes.
         self.proper_prefixes = frozenset(
             a for a, b in itertools.pairwise(self.keys) if b.startswith(a)
@@ -58,8 +63,9 @@ class Literals:
 class RuleSet:
     """The rules of one scope (input or output), compiled for streaming matching."""
 
-    def __init__(self, rules: list[Rule]) -> None:
+    def __init__(self, rules: list[Rule], regex_timeout_s: float = DEFAULT_LIMITS.regex_timeout_s) -> None:
         self.rules = tuple(rules)
+        self.regex_timeout_s = regex_timeout_s  # per search; the matcher fails closed past it
         literals: dict[str, list[Rule]] = {}
         for rule in rules:
             if rule.kind == "literal":
@@ -67,7 +73,7 @@ class RuleSet:
                     literals.setdefault(p, []).append(rule)
         self.literals = Literals({p: (p, tuple(owners)) for p, owners in literals.items()})
         self.regexes = [
-            CompiledRegex(rule, regex.compile(p, REGEX_FLAGS), rule.max_span)
+            CompiledRegex(rule, regex.compile(p, REGEX_FLAGS), rule.max_span, regex_scripts(p))
             for rule in rules if rule.kind == "regex" for p in rule.patterns
         ]
         self.max_regex_span = max((r.max_span for r in self.regexes), default=0)
@@ -96,17 +102,17 @@ class RuleSet:
 class Pack:
     """An immutable compiled pack. Holders of an old pack keep it across a reload."""
 
-    def __init__(self, rules: list[Rule], source: str = "") -> None:
+    def __init__(self, rules: list[Rule], source: str = "", limits: PackLimits = DEFAULT_LIMITS) -> None:
         self.rules = tuple(rules)
         self.source = source
         self.version = _version(rules)
-        self.input = RuleSet([r for r in rules if r.applies_to_input])
-        self.output = RuleSet([r for r in rules if r.applies_to_output])
+        self.input = RuleSet([r for r in rules if r.applies_to_input], limits.regex_timeout_s)
+        self.output = RuleSet([r for r in rules if r.applies_to_output], limits.regex_timeout_s)
 
     @classmethod
-    def load(cls, directory: Path) -> Pack:
+    def load(cls, directory: Path, limits: PackLimits = DEFAULT_LIMITS) -> Pack:
         """Load and compile; raises schema.PackError listing every problem."""
-        return cls(load_rules(directory), str(directory))
+        return cls(load_rules(directory, limits), str(directory), limits)
 
     def rule(self, rule_id: str) -> Rule | None:
         return next((r for r in self.rules if r.id == rule_id), None)
@@ -115,5 +121,7 @@ class Pack:
 def _version(rules: list[Rule]) -> str:
     """Content hash of what is enforced: the compiled rules, not file names or comments."""
     canon = [{k: v for k, v in asdict(r).items() if k != "source"} for r in sorted(rules, key=lambda r: r.id)]
-    blob = json.dumps({"format": FORMAT, "rules": canon}, sort_keys=True, ensure_ascii=False)
+    # The same rules under another normalized view enforce something else: another version.
+    blob = json.dumps({"format": FORMAT, "view": VIEW_VERSION, "rules": canon}, sort_keys=True,
+                      ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

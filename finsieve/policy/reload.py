@@ -2,10 +2,13 @@
 
 Whoever took the old policy keeps it (requests in flight finish under the version they
 started with); an invalid pack is rejected with its exact reason and the old one stays.
+Whatever a pack does to the compiler (any exception, RecursionError and MemoryError too)
+is a rejection, and the watcher thread keeps watching.
 """
 
 from __future__ import annotations
 
+import stat
 import threading
 import time
 from collections import deque
@@ -25,6 +28,12 @@ log = structlog.get_logger(__name__)
 RELOADS = Counter("finsieve_rule_pack_reloads", "Rule pack reloads", ["result"])
 
 T = TypeVar("T")
+
+# A rejection reason is stored (the engine's Info reply, the admin audit record) and logged:
+# bounded, so no pack can make a reply exceed its message limit.
+MAX_REASON_CHARS = 4000
+MAX_LOGGED_PROBLEMS = 50
+RETRY_WATCH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,8 @@ class PolicyHolder(Generic[T]):
         self.loads += 1
 
     def reject(self, reason: str) -> None:
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS] + f"… ({len(reason) - MAX_REASON_CHARS} more characters)"
         self.events.append(AdminEvent("rule_pack_rejected", self.version, reason))
         self.rejections += 1
         self.last_rejection = reason
@@ -82,10 +93,13 @@ class RulesWatcher(Generic[T]):
         try:
             policy, version = self.compile(self.directory)
         except PackError as e:
-            RELOADS.labels("rejected").inc()
-            self.holder.reject(str(e))
-            log.warning("rule pack rejected; the previous one stays in force",
-                        version=self.holder.version, problems=[str(p) for p in e.problems])
+            self._reject(str(e), [str(p) for p in e.problems[:MAX_LOGGED_PROBLEMS]],
+                         len(e.problems))
+            return False
+        except Exception as e:  # a bound the loader missed, or a bug: never the watcher's end
+            log.exception("rule pack could not be compiled")
+            self._reject(f"{self.directory}:0: -: pack: could not be compiled ({type(e).__name__}: "
+                         f"{str(e)[:200]})", [], 1)
             return False
         if version == self.holder.version:
             return False
@@ -94,7 +108,38 @@ class RulesWatcher(Generic[T]):
         log.info("rule pack loaded", version=version)
         return True
 
+    def _reject(self, reason: str, problems: list[str], count: int) -> None:
+        RELOADS.labels("rejected").inc()
+        self.holder.reject(reason)
+        log.warning("rule pack rejected; the previous one stays in force",
+                    version=self.holder.version, problems=problems, count=count)
+
     def _run(self) -> None:
-        for _changes in watchfiles.watch(self.directory, debounce=self.debounce_ms, step=20,
-                                         stop_event=self._stop, raise_interrupt=False):
-            self.reload()
+        resumed = False
+        while not self._stop.is_set():
+            identity = _identity(self.directory)
+            if identity is None:  # not there (yet): look again shortly
+                self._stop.wait(RETRY_WATCH_S)
+                continue
+            if resumed:
+                self.reload()  # what changed while nothing watched
+            resumed = True
+            try:
+                for _changes in watchfiles.watch(self.directory, debounce=self.debounce_ms, step=20,
+                                                 stop_event=self._stop, raise_interrupt=False):
+                    self.reload()
+                    if _identity(self.directory) != identity:
+                        break  # deleted or replaced: watch what is there now
+                else:
+                    return  # stopped
+            except Exception:
+                log.exception("rules watcher failed; watching again", directory=str(self.directory))
+                self._stop.wait(RETRY_WATCH_S)
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    try:
+        st = directory.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None

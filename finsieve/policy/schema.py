@@ -15,6 +15,7 @@ import regex
 import yaml
 
 from .normalize import normalize_pattern
+from .sources import DEFAULT_LIMITS, PackLimits, SourceProblem, compose, read_pack
 from .validators import VALIDATORS
 
 KINDS = ("literal", "regex")
@@ -28,6 +29,11 @@ REGEX_FLAGS = regex.IGNORECASE | regex.UNICODE
 _ID = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 _DEFINITION_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _UNBOUNDED = 1 << 30
+# A regex, definitions expanded: its length and how deep its groups nest (the `regex` and
+# `re` parsers recurse once per level), and how deep definitions may use definitions.
+MAX_REGEX_CHARS = 8192
+MAX_REGEX_DEPTH = 32
+MAX_DEFINITION_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,13 @@ class Problem:
     field: str
     reason: str
 
+    def __post_init__(self) -> None:
+        # Ids, field names and values quoted here come from the pack: a problem stays short.
+        for name, limit in (("rule_id", 100), ("field", 100), ("reason", 500)):
+            value = getattr(self, name)
+            if len(value) > limit:
+                object.__setattr__(self, name, value[:limit] + "…")
+
     def __str__(self) -> str:
         return f"{self.file}:{self.line}: {self.rule_id or '-'}: {self.field}: {self.reason}"
 
@@ -74,24 +87,29 @@ class PackError(Exception):
         self.problems = problems
 
 
-def load_rules(directory: Path) -> list[Rule]:
-    """Every enabled rule of every *.yaml under directory; raises PackError listing all problems."""
+def load_rules(directory: Path, limits: PackLimits = DEFAULT_LIMITS) -> list[Rule]:
+    """Every enabled rule of every *.yaml under directory; raises PackError listing all problems.
+    The files are untrusted: see sources.py for the bounds on reading them."""
     directory = Path(directory)
     if not directory.is_dir():
         raise PackError([Problem(str(directory), 0, "", "rules", "not a directory")])
     rules: list[Rule] = []
-    problems: list[Problem] = []
+    files, unreadable = read_pack(directory, limits)
+    problems = [_problem(e) for e in unreadable]
     seen: dict[str, str] = {}
-    for path in sorted(directory.rglob("*.yaml")):
-        file_rules, file_problems = _load_file(path)
+    for name, text in files:
+        try:
+            file_rules, file_problems = _load_file(name, text, limits)
+        except (RecursionError, MemoryError) as e:  # a bound this module missed: still a rejection
+            file_rules, file_problems = [], [Problem(name, 0, "", "file", f"too complex to load ({e!r})")]
         problems += file_problems
         for rule, rule_id, line in file_rules:  # invalid rules too: report every duplicate
             if rule_id in seen:
-                problems.append(Problem(str(path), line, rule_id, "id",
+                problems.append(Problem(name, line, rule_id, "id",
                                         f"duplicate id (first defined at {seen[rule_id]})"))
                 continue
             if rule_id:
-                seen[rule_id] = f"{path}:{line}"
+                seen[rule_id] = f"{name}:{line}"
             if rule is not None:
                 rules.append(rule)
     if problems:
@@ -106,17 +124,23 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
-def _load_file(path: Path) -> tuple[list[tuple[Rule | None, str, int]], list[Problem]]:
-    name = str(path)
+def _problem(e: SourceProblem) -> Problem:
+    return Problem(e.path, e.line, "", e.field, e.reason)
+
+
+def _show(text: str, limit: int = 60) -> str:
+    """A pattern quoted in a message, shortened: reasons are logged and stored."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"… ({len(text)} characters)"
+
+
+def _load_file(name: str, text: str,
+               limits: PackLimits) -> tuple[list[tuple[Rule | None, str, int]], list[Problem]]:
     try:
-        doc = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = mark.line + 1 if mark else 0
-        reason = f"{getattr(e, 'problem', None) or e}"
-        return [], [Problem(name, line, "", "yaml", f"not valid YAML: {reason}")]
-    except (OSError, UnicodeDecodeError) as e:
-        return [], [Problem(name, 0, "", "file", f"cannot read: {e}")]
+        # A file without aliases weighs about its size: aliases may not inflate it past what
+        # the whole pack may hold.
+        doc = compose(text, name, limits.max_bytes)
+    except SourceProblem as e:
+        return [], [_problem(e)]
     if doc is None:
         return [], []
     problems: list[Problem] = []
@@ -127,7 +151,7 @@ def _load_file(path: Path) -> tuple[list[tuple[Rule | None, str, int]], list[Pro
         if key not in ("rules", "definitions", "pack"):
             problems.append(Problem(name, _line(node), "", key,
                                     "unknown top-level key (expected rules, definitions, pack)"))
-    definitions: dict[str, str] = {}
+    raw_definitions: dict[str, tuple[str, int]] = {}
     if "definitions" in top:
         defs = _mapping(top["definitions"][1], name, "", "definitions", problems) or {}
         for key, (_, node) in defs.items():
@@ -136,7 +160,8 @@ def _load_file(path: Path) -> tuple[list[tuple[Rule | None, str, int]], list[Pro
                 problems.append(Problem(name, _line(node), "", f"definitions.{key}",
                                         "must be a non-empty regex fragment"))
             else:
-                definitions[key] = value
+                raw_definitions[key] = (value, _line(node))
+    definitions = _Definitions(raw_definitions, name, problems)
     rules: list[tuple[Rule | None, str, int]] = []
     if "rules" not in top:
         problems.append(Problem(name, _line(doc), "", "rules", "missing: a list of rules"))
@@ -179,7 +204,7 @@ _FIELDS = {
 }
 
 
-def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
+def _rule(node: yaml.Node, file: str, definitions: _Definitions,
           problems: list[Problem]) -> tuple[Rule | None, str]:
     """The rule (None if it has problems or is disabled) and its id as written."""
     fields = _mapping(node, file, "", "rules[]", problems)
@@ -267,14 +292,15 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
     elif kind == "regex":
         widths = []
         for p in patterns:
-            expanded, missing = _expand(p, definitions)
-            if missing:
-                problem("patterns", f"{p!r} uses undefined definition ${{{missing}}}")
+            expanded, why = definitions.expand(p)
+            why = why or _regex_too_deep(expanded)
+            if why:
+                problem("patterns", f"{_show(p)} {why}")
                 continue
             try:
                 regex.compile(expanded, REGEX_FLAGS)
-            except regex.error as e:
-                problem("patterns", f"{p!r} does not compile: {e}")
+            except (regex.error, RecursionError, MemoryError, OverflowError, ValueError) as e:
+                problem("patterns", f"{_show(p)} does not compile: {e}")
                 continue
             compiled.append(expanded)
             widths.append(_max_width(expanded))
@@ -294,22 +320,84 @@ def _rule(node: yaml.Node, file: str, definitions: dict[str, str],
     ), rule_id
 
 
-def _expand(pattern: str, definitions: dict[str, str]) -> tuple[str, str]:
-    missing = ""
+class _Definitions:
+    """A file's `definitions`, each expanded once. One that uses itself (directly or not),
+    nests deeper than MAX_DEFINITION_DEPTH or grows past MAX_REGEX_CHARS is a problem at its
+    own line, and never built: lengths are added up before any text is."""
 
-    def sub(m: re.Match[str]) -> str:
-        nonlocal missing
-        if m.group(1) not in definitions:
-            missing = m.group(1)
-            return m.group(0)
-        return f"(?:{definitions[m.group(1)]})"
+    def __init__(self, raw: dict[str, tuple[str, int]], file: str, problems: list[Problem]) -> None:
+        self.raw = raw
+        self.expanded: dict[str, str] = {}
+        self.bad: dict[str, str] = {}  # name -> why
+        for name in raw:
+            self._resolve(name, ())
+        problems += [Problem(file, raw[name][1], "", f"definitions.{name}", why)
+                     for name, why in self.bad.items()]
 
-    for _ in range(10):  # definitions may use definitions
-        expanded = _DEFINITION_REF.sub(sub, pattern)
-        if expanded == pattern or missing:
-            break
-        pattern = expanded
-    return pattern, missing
+    def expand(self, pattern: str) -> tuple[str, str]:
+        """The pattern with every ${name} expanded, or ("", why not)."""
+        if why := self._check_refs(pattern):
+            return "", why
+        return _DEFINITION_REF.sub(lambda m: f"(?:{self.expanded[m.group(1)]})", pattern), ""
+
+    def _resolve(self, name: str, stack: tuple[str, ...]) -> None:
+        if name in self.expanded or name in self.bad:
+            return
+        if name in stack:  # every definition on the cycle is at fault
+            cycle = (*stack[stack.index(name):], name)
+            for member in cycle[:-1]:
+                self.bad[member] = f"uses itself ({' -> '.join(cycle)})"
+            return
+        if len(stack) >= MAX_DEFINITION_DEPTH:
+            self.bad[name] = f"definitions use definitions more than {MAX_DEFINITION_DEPTH} deep"
+            return
+        value = self.raw[name][0]
+        for ref in dict.fromkeys(_DEFINITION_REF.findall(value)):
+            if ref in self.raw:
+                self._resolve(ref, (*stack, name))
+            if name in self.bad:  # on a cycle through ref
+                return
+        if why := self._check_refs(value):
+            self.bad[name] = why
+        else:
+            self.expanded[name] = _DEFINITION_REF.sub(
+                lambda m: f"(?:{self.expanded[m.group(1)]})", value)
+
+    def _check_refs(self, text: str) -> str:
+        """Why text cannot be expanded (an unknown or bad definition, too long), or ""."""
+        length = len(text)
+        for m in _DEFINITION_REF.finditer(text):
+            ref = m.group(1)
+            if ref not in self.expanded:
+                return (f"uses definition ${{{ref}}}, which is invalid" if ref in self.raw
+                        else f"uses undefined definition ${{{ref}}}")
+            length += len(self.expanded[ref]) + 4 - len(m.group(0))
+        if length > MAX_REGEX_CHARS:
+            return f"expands to {length} characters (at most {MAX_REGEX_CHARS})"
+        return ""
+
+
+def _regex_too_deep(pattern: str) -> str:
+    """Why a regex is refused before compiling (its groups nest too deep), or ""."""
+    depth = deepest = 0
+    escaped = in_class = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    if deepest > MAX_REGEX_DEPTH:
+        return f"nests groups {deepest} deep (at most {MAX_REGEX_DEPTH})"
+    return ""
 
 
 def _max_width(pattern: str) -> int | None:

@@ -1,0 +1,811 @@
+"""GPU benchmark (issue 10): the engine against the memory-bandwidth floor and transformers.
+
+    python bench/bench_gpu.py --tokenizer DIR [--deadline 560] [--phases ...]   # on a GPU
+    .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
+
+One run, each phase in its own process (GPU memory and compile state stay apart), results
+written to the JSON after every phase, a table printed at the end:
+
+  device      copy bandwidth (device-to-device, bytes read + written) and bf16 matmul rate;
+              the batch-1 floor = weight bytes read per step / bandwidth
+  model       a Qwen2-7B-shaped model (hidden 3584, 28 layers, 28 heads, 4 KV heads,
+              intermediate 18944) with random bf16 weights and the default model's
+              tokenizer (vocabulary 49,152), saved as a Hugging Face directory
+  inprocess   LLMEngine without gRPC: start-up (load, compile, graph capture), then rules
+              off and rules on (default packs + 10,000 synthetic literals) at 1/16/64/128
+              streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; 64
+              requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
+  serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
+              port, client processes over gRPC: rules on, then off (hot reload to an
+              empty pack), same levels; start-up until the engine is SERVING
+  hf_batch    transformers continuous batching (`generate_batch`), 64 requests
+  hf_generate transformers `generate`, static cache + torch.compile, batch 1
+
+Prompts are 128-512 tokens, 256 new tokens, greedy. Each stream sends `--rounds` requests
+one after the other (a closed loop); tokens/s = completion tokens / wall time of the level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+            "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 49152,
+            "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def time_left(args) -> float:
+    return args.until - time.time() if args.until else 1e9
+
+
+def pct(values: list[float], q: float) -> float | None:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- phases ------------------------------------------------------------------------------
+
+def phase_device(args) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"device": "cpu"}
+    n = 2 * 1024**3 // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1000)
+    bandwidth = 2 * a.nbytes / statistics.median(times)
+    del a, b
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        m @ m
+        e.record()
+        e.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1000)
+    return {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_s": bandwidth,
+            "bf16_matmul_flops": 2 * 8192**3 / statistics.median(times),
+            "torch": torch.__version__}
+
+
+def phase_model(args) -> dict:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    start = time.perf_counter()
+    out = Path(args.model_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = Qwen2Config(**(TINY if args.tiny else QWEN2_7B), bos_token_id=1, eos_token_id=2,
+                         torch_dtype="bfloat16" if device == "cuda" else "float32")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (Path(args.tokenizer) / name).exists():
+            shutil.copy(Path(args.tokenizer) / name, out / name)
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if "embed_tokens" not in n)  # decode reads one embedding row per token
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    return {"seconds": time.perf_counter() - start, "weight_bytes_per_step": weights,
+            "matmul_params": params, "config": config.to_dict()["hidden_size"]}
+
+
+def prompts(tokenizer_dir: str, n: int, tiny: bool) -> list[str]:
+    """n user messages whose prompts are 128-512 tokens (32-64 with --tiny), spread evenly."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    words = [w for ln in (REPO / "tests/data/clean_corpus.txt").read_text().splitlines()
+             if ln and not ln.startswith("#") and ln.isascii() for w in ln.split()]
+    lo, hi = (32, 64) if tiny else (128, 512)
+    out = []
+    for i in range(n):
+        target = lo + (i * 97) % (hi - lo + 1)
+
+        def text(k: int, i: int = i) -> str:
+            return "Summarise this note for a client: " + " ".join(
+                words[(i * 13 + j) % len(words)] for j in range(k))
+
+        low, high = 1, 2 * hi  # the fewest words whose prompt reaches the target
+        while low < high:
+            mid = (low + high) // 2
+            if len(prompt_ids(tok, text(mid))) >= target:
+                high = mid
+            else:
+                low = mid + 1
+        out.append(text(low))
+    return out
+
+
+def rules_dir(root: Path, tokenizer_dir: str, synthetic: bool = True) -> Path:
+    from bench_rules import synthetic_pack
+
+    d = root / "rules"
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(REPO / "rules", d)
+    for extra in d.glob("*.md"):
+        extra.unlink()
+    if synthetic:
+        synthetic_pack(d, 10_000, 0)
+    return d
+
+
+class TimingSink:
+    """Collects one request's events with their arrival times."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.done = False
+        self.error = ""
+
+    def deliver(self, events) -> None:
+        now = time.perf_counter()
+        for e in events:
+            kind = e.WhichOneof("event")
+            if kind == "delta" and (e.delta.tokens or e.delta.text):
+                self.times.append(now)
+                self.tokens.append(e.delta.tokens)
+            elif kind == "finished":
+                self.done = True
+            elif kind == "error":
+                self.done, self.error = True, e.error.message
+
+
+def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -> dict:
+    tokens = sum(r["tokens"] for r in reqs)
+    ttft = [r["ttft"] for r in reqs if r["ttft"] is not None]
+    gaps = [g for r in reqs for g in r["gaps"]]
+    row = {"requests": len(reqs), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+           "ttft_p50_ms": 1000 * (pct(ttft, 0.5) or 0), "ttft_p99_ms": 1000 * (pct(ttft, 0.99) or 0),
+           "itl_p50_ms": 1000 * (pct(gaps, 0.5) or 0), "itl_p99_ms": 1000 * (pct(gaps, 0.99) or 0),
+           "errors": sum(1 for r in reqs if r["error"]),
+           "error_examples": sorted({r["error"][:200] for r in reqs if r["error"]})[:3]}
+    if steps:
+        row["step_p50_ms"] = 1000 * pct(steps, 0.5)
+        row["step_p99_ms"] = 1000 * pct(steps, 0.99)
+    return row
+
+
+def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_tokens: int,
+                     burst: bool = False) -> dict:
+    """`streams` closed-loop streams, `rounds` requests each, driven on this thread."""
+    from finsieve.client import chat_request
+    from finsieve.engine.events import LATE_REPAIRS
+
+    [(s, r) for r in range(rounds) for s in range(streams)]
+    live: dict[int, tuple[TimingSink, float, int]] = {}
+    done: list[dict] = []
+    repairs_before = LATE_REPAIRS._value.get()
+    next_text = 0
+
+    def submit(stream: int) -> None:
+        nonlocal next_text
+        sink = TimingSink()
+        req = chat_request(f"s{stream}-{next_text}", texts[next_text % len(texts)], max_tokens=max_tokens)
+        next_text += 1
+        engine.submit(engine.prepare(req, sink))
+        live[stream] = (sink, time.perf_counter(), rounds)
+
+    pending = {s: rounds for s in range(streams)}
+    start = time.perf_counter()
+    for s in range(streams):
+        submit(s)
+        pending[s] -= 1
+    steps = []
+    while live:
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+        for s, (sink, t0, _) in list(live.items()):
+            if sink.done:
+                done.append({"ttft": sink.times[0] - t0 if sink.times else None,
+                             "gaps": [b - a for a, b in zip(sink.times, sink.times[1:], strict=False)],
+                             "tokens": sum(sink.tokens), "error": sink.error,
+                             "first_at": sink.times[0] - start if sink.times else None})
+                del live[s]
+                if pending[s] and not burst:
+                    pending[s] -= 1
+                    submit(s)
+    wall = time.perf_counter() - start
+    row = summarize(done, wall, steps[2:])
+    row["late_repairs"] = LATE_REPAIRS._value.get() - repairs_before
+    row["last_first_token_s"] = max((r["first_at"] or 0) for r in done)
+    return row
+
+
+def phase_inprocess(args) -> dict:
+    import torch
+
+    from finsieve.engine.engine import NO_POLICY, EngineLimits, LLMEngine
+    from finsieve.engine.loader import load_model
+    from finsieve.policy.guard import compile_policy
+    from finsieve.policy.masks import TokenTable
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model = load_model(args.model_dir, Path(args.work), device)
+    t_load = time.perf_counter() - t0
+    limits = EngineLimits(max_batch=max(args.levels), max_context=args.max_context,
+                          default_max_tokens=args.max_tokens, max_waiting=1024)
+    engine = LLMEngine(model, limits, device)
+    t_ready = time.perf_counter() - t0
+    result = {"load_s": t_load, "ready_s": t_ready, "graphs_s": engine.runner.startup_s,
+              "mode": engine.mode, "slots": engine.max_batch}
+    if device.type == "cuda":
+        result["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    work = Path(args.work)
+    t = time.perf_counter()
+    policy = compile_policy(rules_dir(work, args.tokenizer), TokenTable.build(engine.token_bytes), None)[0]
+    result["rules_compile_s"] = time.perf_counter() - t
+    result["rules"] = len(policy.pack.rules)
+    texts = prompts(args.model_dir, 128, args.tiny)
+    engine.policy = lambda: NO_POLICY
+    run_engine_level(engine, texts, len(texts), 1, 2, burst=True)  # every prompt shape once
+    result["graph_replay_ms"] = _graph_replay_ms(engine)
+    levels = []
+    result["levels"] = levels
+    for n in args.levels:
+        for name, pol in (("off", NO_POLICY), ("on", policy)):
+            if time_left(args) < 60:
+                result["skipped"] = f"levels from {n} streams rules {name}: no time left"
+                break
+            engine.policy = lambda pol=pol: pol
+            row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens)
+            row.update(streams=n, rules=name)
+            levels.append(row)
+            print(f"  in-process {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
+                  f"step p50 {row.get('step_p50_ms', 0):.2f} ms, errors {row['errors']}", flush=True)
+            Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
+    engine.policy = lambda: policy
+    if time_left(args) < 30:
+        return result
+    burst = min(64, max(args.levels))
+    prompt_tokens = sum(len(engine.prepare(_req(t), TimingSink()).prompt_ids) for t in texts[:burst])
+    row = run_engine_level(engine, texts, burst, 1, args.max_tokens, burst=True)
+    flops = _prefill_flops(args, prompt_tokens, engine)
+    row.update(streams=burst, rules="on", prompt_tokens=prompt_tokens,
+               prefill_flops_per_s=flops / row["last_first_token_s"])
+    result["burst"] = row
+    result["bare_prefill"] = _bare_prefill(engine, args)
+    if device.type == "cuda":
+        result["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def _graph_replay_ms(engine) -> dict:
+    """Device time of one decode step's graph alone (no sampling, no host work), per bucket."""
+    import torch
+
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return {}
+    out = {}
+    for size in (1, 16, 64, 128):
+        if size not in graphs.buckets:
+            continue
+        inputs = torch.zeros(3, size, dtype=torch.long, device="cuda")
+        inputs[1] = 500  # attend 501 positions, a typical context here
+        inputs[2] = torch.arange(size, device="cuda") % engine.max_batch
+        times = []
+        for i in range(23):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graphs.run(inputs, size)
+            e.record()
+            e.synchronize()
+            if i >= 3:
+                times.append(s.elapsed_time(e))
+        out[size] = statistics.median(times)
+    return out
+
+
+def _req(text: str):
+    from finsieve.client import chat_request
+
+    return chat_request("p", text, max_tokens=1)
+
+
+def _prefill_flops(args, tokens: int, engine) -> float:
+    """2 x matmul parameters per token, plus causal attention (QK and PV)."""
+    m = engine.model
+    params = json.loads(Path(args.out).read_text())["model"]["matmul_params"]
+    per_seq = tokens / min(64, max(args.levels))
+    attn = 2 * 2 * len(m.layers) * m.n_heads * m.head_dim * per_seq * per_seq / 2
+    return 2 * params * tokens + attn * min(64, max(args.levels))
+
+
+def _bare_prefill(engine, args) -> dict:
+    """One prefill step of 4 x 512 fresh tokens, timed on the device: the achieved FLOP/s."""
+    import torch
+
+    m = engine.model
+    if m.device.type != "cuda":
+        return {}
+    n = 512
+    chunks = [(s, 0, list(range(1000 + s, 1000 + s + n))) for s in range(4)]
+    for _ in range(2):
+        m.prefill(chunks, [True] * 4)
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        m.prefill(chunks, [True] * 4)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    params = json.loads(Path(args.out).read_text())["model"]["matmul_params"]
+    attn = 4 * 2 * 2 * len(m.layers) * m.n_heads * m.head_dim * n * n / 2
+    flops = 2 * params * 4 * n + attn
+    return {"tokens": 4 * n, "seconds": statistics.median(times),
+            "flops_per_s": flops / statistics.median(times)}
+
+
+# -- through gRPC ------------------------------------------------------------------------
+
+def _client_proc(target: str, key: str, texts: list[str], streams: list[int], rounds: int,
+                 max_tokens: int, queue) -> None:
+    """A client process: its share of the streams, one channel (TCP connection) each."""
+    from finsieve.client import Credentials, chat_request
+    from finsieve.grpc_server import CHANNEL_OPTIONS
+    from finsieve.v1 import chat_pb2, chat_pb2_grpc
+
+    async def stream(i: int) -> list[dict]:
+        out = []
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        async with Credentials(api_key=key).channel(target, options) as channel:
+            stub = chat_pb2_grpc.GatewayStub(channel)
+            for r in range(rounds):
+                req = chat_request(f"s{i}-{r}", texts[(i + r * 7) % len(texts)], max_tokens=max_tokens)
+
+                async def send(req=req):
+                    yield chat_pb2.ChatClientMessage(request=req)
+
+                t0 = time.perf_counter()
+                times, tokens, error, version = [], [], "", ""
+                async for e in stub.Chat(send(), timeout=180):
+                    kind = e.WhichOneof("event")
+                    if kind == "started":
+                        version = e.started.policy_version
+                    elif kind == "delta":
+                        times.append(time.perf_counter())
+                        tokens.append(e.delta.tokens)
+                    elif kind == "error":
+                        error = e.error.message
+                        break
+                    elif kind == "finished":
+                        break
+                out.append({"ttft": times[0] - t0 if times else None, "tokens": sum(tokens),
+                            "gaps": [b - a for a, b in itertools.pairwise(times)],
+                            "error": error, "policy_version": version})
+        return out
+
+    async def main() -> list[dict]:
+        results = await asyncio.gather(*(stream(i) for i in streams))
+        return [r for rs in results for r in rs]
+
+    queue.put(asyncio.run(main()))
+
+
+def grpc_level(target: str, key: str, texts: list[str], n: int, rounds: int, max_tokens: int,
+               procs: int, timeout: float = 300) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    shares = [list(range(n))[i::procs] for i in range(min(procs, n))]
+    workers = [ctx.Process(target=_client_proc, args=(target, key, texts, share, rounds, max_tokens, queue))
+               for share in shares]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    reqs = []
+    try:
+        for _ in workers:
+            reqs += queue.get(timeout=max(timeout - (time.perf_counter() - start), 1))
+    finally:
+        for w in workers:
+            w.join(1)
+            if w.is_alive():
+                w.kill()
+    wall = time.perf_counter() - start
+    if not reqs:
+        raise TimeoutError(f"{n} streams: no client finished within {timeout:.0f} s")
+    row = summarize(reqs, wall)
+    row["policy_versions"] = sorted({r["policy_version"] for r in reqs})
+    return row
+
+
+def _health(target: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def phase_serve(args) -> dict:
+    work = Path(args.work) / "serve"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    rules = rules_dir(work, args.tokenizer)
+    engine_port, port = free_port(), free_port()
+    from finsieve.secretfiles import write_private
+    from finsieve.valkey import EmbeddedValkey
+
+    # One Valkey and one set of secrets for every process, as in a deployment: the gateways
+    # share keys and tenants' limits (generous here, so that they cost their Redis round trips
+    # without refusing anything).
+    valkey = EmbeddedValkey(work / "valkey")
+    valkey.start()
+    secret_files = {}
+    for name in ("audit.key", "keys.secret", "engine.secret"):
+        secret_files[name] = work / name
+        write_private(secret_files[name], secrets.token_hex(32) + "\n")
+    env = {**os.environ, "FINSIEVE_LOG_FORMAT": "json", "FINSIEVE_CACHE_TTL_S": "0",
+           "PYTHONUNBUFFERED": "1",
+           "FINSIEVE_REDIS_URL": f"redis://:{valkey.password}@127.0.0.1:{valkey.port}/0",
+           "FINSIEVE_AUDIT_KEY_FILE": str(secret_files["audit.key"]),
+           "FINSIEVE_KEYS_SECRET_FILE": str(secret_files["keys.secret"]),
+           "FINSIEVE_ENGINE_SECRET_FILE": str(secret_files["engine.secret"]),
+           "FINSIEVE_TENANT_REQUESTS_PER_S": "100000", "FINSIEVE_TENANT_TOKENS_PER_MIN": "1000000000",
+           "FINSIEVE_TENANT_CONCURRENT_STREAMS": "10000"}
+    device = "cuda" if not args.tiny else "cpu"
+    logs = []
+
+    def start(cmd: list[str], name: str) -> subprocess.Popen:
+        log = open(work / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        logs.append(work / f"{name}.log")
+        return subprocess.Popen([sys.executable, "-m", "finsieve.cli", "serve", *cmd],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+
+    t0 = time.perf_counter()
+    engine = start(["--role", "engine", "--host", "127.0.0.1", "--engine-port", str(engine_port),
+                    "--device", device, "--model", args.model_dir, "--rules", str(rules),
+                    "--luts", str(work / "luts"), "--max-batch", str(max(args.levels)),
+                    "--max-context", str(args.max_context), "--max-waiting", "1024",
+                    "--state-dir", str(work / "engine-state")], "engine")
+    gateways = [start(["--role", "gateway", "--host", "127.0.0.1", "--port", str(port),
+                       "--audit-port", str(free_port()), "--engine", f"127.0.0.1:{engine_port}",
+                       "--state-dir", str(work / f"gw{i}")], f"gateway{i}")
+                for i in range(args.gateways)]
+    result: dict = {"gateways": args.gateways, "client_procs": args.client_procs}
+    try:
+        key = subprocess.run([sys.executable, "-m", "finsieve.cli", "keys", "create", "--direct",
+                              "--tenant", "bench", "--role", "app", "--name", "bench_gpu"],
+                             capture_output=True, text=True, timeout=60, env=env,
+                             check=True).stdout.splitlines()[0]
+        while not _health(f"127.0.0.1:{engine_port}"):
+            if engine.poll() is not None or time.perf_counter() - t0 > 400:
+                raise RuntimeError("the engine did not start:\n" + (work / "engine.log").read_text()[-3000:])
+            time.sleep(0.5)
+        result["ready_s"] = time.perf_counter() - t0
+        while not _health(f"127.0.0.1:{port}"):
+            time.sleep(0.2)
+        texts = prompts(args.model_dir, 128, args.tiny)
+        target = f"127.0.0.1:{port}"
+        grpc_level(target, key, texts, min(4, max(args.levels)), 1, 8, 1)  # warm-up
+        result["gpu_memory_gib"] = _gpu_used_gib()
+        levels: list[dict] = []
+        result["levels"] = levels
+        for name in ("on", "off"):
+            if name == "off":
+                for f in rules.glob("*.yaml"):
+                    f.unlink()  # hot reload to an empty pack: the guard runs, nothing matches
+                time.sleep(3)
+            for n in args.levels:
+                if time_left(args) < 45:
+                    result["skipped"] = f"levels from {n} streams rules {name}: no time left"
+                    break
+                try:
+                    row = grpc_level(target, key, texts, n, args.rounds, args.max_tokens,
+                                     args.client_procs, timeout=time_left(args) - 25)
+                except Exception as e:
+                    row = {"error": repr(e)[:300], "tokens_per_s": 0, "ttft_p50_ms": 0,
+                           "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0}
+                row.update(streams=n, rules=name)
+                levels.append(row)
+                print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
+                      f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row.get('errors')} "
+                      f"{row.get('error_examples') or row.get('error', '')}", flush=True)
+                _save_logs(logs, args)
+                Path(args.result).write_text(json.dumps(result))
+    finally:
+        for p in [*gateways, engine]:
+            p.send_signal(signal.SIGTERM)
+        for p in [*gateways, engine]:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        valkey.stop()
+        result["engine_log_tail"] = (work / "engine.log").read_text(errors="replace")[-1500:]
+        _save_logs(logs, args)
+    return result
+
+
+def _save_logs(logs: list[Path], args) -> None:
+    if args.log_dir:
+        for f in logs:
+            shutil.copy(f, Path(args.log_dir) / f.name)
+
+
+def _gpu_used_gib() -> float | None:
+    try:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+    except Exception:
+        return None
+
+
+# -- transformers baselines --------------------------------------------------------------
+
+def _hf_model(args, **kw):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, device_map=device, **kw)
+    return model.eval(), AutoTokenizer.from_pretrained(args.model_dir), device
+
+
+def _hf_prompt_ids(tok, texts: list[str]) -> list[list[int]]:
+    return [prompt_ids(tok, t) for t in texts]
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    """The engine's own prompt: the chat template, then the tokenizer (no extra specials)."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                     add_generation_prompt=True)
+    return list(tok(prompt, add_special_tokens=False)["input_ids"])
+
+
+def phase_hf_generate(args) -> dict:
+    import torch
+
+    model, tok, device = _hf_model(args)
+    ids = torch.tensor([_hf_prompt_ids(tok, prompts(args.model_dir, 1, args.tiny))[0]], device=device)
+    if device == "cuda":
+        # "reduce-overhead" (CUDA graphs) fails inside transformers' static cache update here
+        # ("accessing tensor output of CUDAGraphs that has been overwritten"); inductor alone.
+        model.forward = torch.compile(model.forward, fullgraph=True)
+    kw = {"max_new_tokens": args.max_tokens, "min_new_tokens": args.max_tokens, "do_sample": False,
+          "cache_implementation": "static", "attention_mask": torch.ones_like(ids)}
+    t = time.perf_counter()
+    model.generate(ids, **kw)  # compiles
+    compile_s = time.perf_counter() - t
+    runs = []
+    for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        runs.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t))
+    return {"tokens_per_s": max(runs), "first_call_s": compile_s, "new_tokens": args.max_tokens}
+
+
+def phase_hf_batch(args) -> dict:
+    from transformers import GenerationConfig
+
+    model, tok, _ = _hf_model(args, attn_implementation="sdpa")
+    n = min(64, max(args.levels))
+    inputs = _hf_prompt_ids(tok, prompts(args.model_dir, n, args.tiny))
+    config = GenerationConfig(max_new_tokens=args.max_tokens, do_sample=False,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    model.generate_batch(inputs=inputs[:4], generation_config=config)  # warm-up
+    t = time.perf_counter()
+    out = model.generate_batch(inputs=inputs, generation_config=config)
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    errors = [o.error for o in out.values() if getattr(o, "error", None)]
+    return {"requests": n, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "errors": errors[:3]}
+
+
+def phase_tests(args) -> dict:
+    env = {**os.environ, "FINSIEVE_TEST_TOKENIZER": args.tokenizer, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=args.tests_timeout)
+    print(proc.stdout[-6000:], proc.stderr[-2000:], flush=True)
+    return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:]}
+
+
+PHASES = {"tests": phase_tests, "device": phase_device, "model": phase_model,
+          "inprocess": phase_inprocess, "hf_batch": phase_hf_batch, "serve": phase_serve,
+          "hf_generate": phase_hf_generate}
+
+
+# -- driver ------------------------------------------------------------------------------
+
+def run_phase(name: str, args, budget: float) -> dict:
+    """A phase in its own process, with a time limit; its result or its error."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, __file__, "--phase", name, "--result", result_path,
+           "--until", str(time.time() + budget - 10), *args.passthrough]
+    t = time.perf_counter()
+    error = ""
+    try:
+        proc = subprocess.run(cmd, timeout=budget)
+        if proc.returncode:
+            error = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {budget:.0f} s"
+    try:
+        data = json.loads(Path(result_path).read_text() or "{}")  # what it measured, even if cut
+    except json.JSONDecodeError:
+        data = {}
+    if error and "error" not in data:
+        data["error"] = error
+    data["phase_s"] = time.perf_counter() - t
+    return data
+
+
+def table(r: dict) -> str:
+    lines = []
+    dev, model = r.get("device", {}), r.get("model", {})
+    bw = dev.get("copy_bandwidth_bytes_s")
+    floor_tps = bw / model["weight_bytes_per_step"] if bw and "weight_bytes_per_step" in model else None
+    if bw:
+        lines.append(f"device {dev.get('device')}: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
+                     f"{dev['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s; weights "
+                     f"{model.get('weight_bytes_per_step', 0) / 1e9:.2f} GB/step -> batch-1 floor "
+                     f"{1000 / floor_tps:.2f} ms/step = {floor_tps:.0f} tokens/s")
+    hf1 = r.get("hf_generate", {}).get("tokens_per_s")
+    hfb = r.get("hf_batch", {}).get("tokens_per_s")
+    lines.append(f"transformers generate (static cache + compile, batch 1): "
+                 f"{(hf1 and f'{hf1:.0f} tok/s') or r.get('hf_generate', {}).get('error', 'not run')}")
+    lines.append(f"transformers generate_batch (64 requests): "
+                 f"{(hfb and f'{hfb:.0f} tok/s') or r.get('hf_batch', {}).get('error', 'not run')}")
+    lines.append("")
+    lines.append(f"{'path':<10} {'streams':>7} {'rules':>5} {'tok/s':>8} {'vs floor':>8} {'vs hf1':>7} "
+                 f"{'vs hfB':>7} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'repairs':>7}")
+    for path in ("inprocess", "serve"):
+        for row in r.get(path, {}).get("levels", []):
+            tps = row.get("tokens_per_s", 0)
+            per_stream_floor = floor_tps * row["streams"] if floor_tps else None
+            itl = (row.get("step_p50_ms"), row.get("step_p99_ms")) if path == "inprocess" else (
+                row.get("itl_p50_ms"), row.get("itl_p99_ms"))
+            lines.append(
+                f"{path:<10} {row['streams']:>7} {row['rules']:>5} {tps:>8.0f} "
+                f"{(f'{tps / per_stream_floor:.0%}' if per_stream_floor and row['streams'] == 1 else ''):>8} "
+                f"{(f'{tps / hf1:.1f}x' if hf1 else ''):>7} {(f'{tps / hfb:.1f}x' if hfb else ''):>7} "
+                f"{row.get('ttft_p50_ms', 0):>8.0f}/{row.get('ttft_p99_ms', 0):<8.0f}"
+                f"{itl[0] or 0:>7.2f}/{itl[1] or 0:<8.2f}{row.get('late_repairs', ''):>7}")
+    b = r.get("inprocess", {}).get("burst")
+    if b:
+        lines.append(f"\n{b['streams']} requests at once (rules on): TTFT p50 {b['ttft_p50_ms']:.0f} ms, "
+                     f"p99 {b['ttft_p99_ms']:.0f} ms; all prefilled in {b['last_first_token_s']:.2f} s "
+                     f"= {b['prefill_flops_per_s'] / 1e12:.0f} TFLOP/s incl. interleaved decode")
+    gr = r.get("inprocess", {}).get("graph_replay_ms")
+    if gr:
+        lines.append("decode graph replay alone (device time, 501 positions): " + ", ".join(
+            f"batch {k}: {v:.2f} ms" for k, v in gr.items()))
+    bp = r.get("inprocess", {}).get("bare_prefill")
+    if bp:
+        peak = dev.get("bf16_matmul_flops")
+        lines.append(f"bare prefill step ({bp['tokens']} tokens): {bp['flops_per_s'] / 1e12:.0f} TFLOP/s"
+                     + (f" = {bp['flops_per_s'] / peak:.0%} of the measured matmul rate" if peak else ""))
+    ip, sv = r.get("inprocess", {}), r.get("serve", {})
+    if "ready_s" in ip:
+        lines.append(f"start-up in-process: load {ip['load_s']:.0f} s, ready (compiled, graphs "
+                     f"captured: {ip['graphs_s']:.0f} s) {ip['ready_s']:.0f} s, mode {ip['mode']}, "
+                     f"{ip['slots']} KV slots, peak GPU memory {ip.get('gpu_memory_gib', 0):.1f} GiB")
+    if "ready_s" in sv:
+        lines.append(f"start-up finsieve serve (engine SERVING): {sv['ready_s']:.0f} s; "
+                     f"{sv['gateways']} gateway processes, {sv['client_procs']} client processes")
+    for name in PHASES:
+        if isinstance(r.get(name), dict) and r[name].get("error"):
+            lines.append(f"phase {name}: {r[name]['error'][-300:]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny random model")
+    ap.add_argument("--tokenizer", default=str(REPO / ".finsieve/models/SmolLM2-135M-Instruct"))
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "finsieve-bench-gpu"))
+    ap.add_argument("--out", default=str(REPO / "bench/results/gpu.json"))
+    ap.add_argument("--log-dir", default="")
+    ap.add_argument("--phases", nargs="*", default=list(PHASES))
+    ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole run")
+    ap.add_argument("--levels", type=int, nargs="*")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--gateways", type=int, default=4)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--tests-timeout", type=float, default=150)
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--until", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.levels = args.levels or ([1, 4] if args.tiny else [1, 16, 64, 128])
+    args.max_tokens = args.max_tokens or (16 if args.tiny else 256)
+    args.model_dir = str(Path(args.work) / "model")
+    if args.phase:  # a child: one phase, result to a file
+        result: dict = {}
+        try:
+            result = PHASES[args.phase](args)
+        except Exception:
+            result = {"error": traceback.format_exc()[-3000:]}
+            print(result["error"], flush=True)
+        Path(args.result).write_text(json.dumps(result))
+        return
+    args.passthrough = [a for a in sys.argv[1:]]
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict = {"levels": args.levels, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                     "tiny": args.tiny}
+    if out.exists() and set(args.phases) != set(PHASES):
+        results = {**json.loads(out.read_text()), **results}  # a later call adds to an earlier one
+    start = time.perf_counter()
+    for name in args.phases:
+        left = args.deadline - (time.perf_counter() - start)
+        if left < 20:
+            results[name] = {"error": "skipped: no time left in this run"}
+            continue
+        print(f"== {name} ({left:.0f} s left)", flush=True)
+        results[name] = run_phase(name, args, left - 5)
+        out.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Attention over the slot KV cache: decode (one new token per row) and chunked prefill.
+
+The cache of one layer is (slots, kv_heads, positions, head_dim); a row's keys are the first
+`length` positions of its slot. Rolling a sequence back is setting its length, so every
+kernel here reads each row's own length and nothing past it.
+
+Decode, on CUDA: a Triton flash-decoding kernel. Each row's positions are cut into splits
+of a fixed `split_len` (fixed per cache, never per batch); one program per (row, kv head,
+split) computes a partial softmax for the whole group of query heads sharing that kv head,
+and a second kernel merges the splits. The work of a row depends only on its own length,
+so a row's result never depends on the rest of the batch, and the grid is static, so the
+kernels are captured in the decode step's CUDA graph. flash-attn's
+`flash_attn_with_kvcache` would do the same job; it is not used because it is not
+installable on every target (no wheel for this torch), and this kernel reads the same bytes.
+
+Decode, on the CPU: one SDPA per row over exactly its own length, in the order the
+batch-invariant path has always used.
+
+Prefill: SDPA per chunk over the chunk's slot (causal, aligned to the chunk's last key).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch ships no Triton
+    triton = None
+
+BLOCK_N = 64
+
+
+def split_len_for(max_len: int) -> int:
+    """Positions per split: at most 32 splits per row, at least 256 positions per split."""
+    return max(256, triton.next_power_of_2(-(-max_len // 32))) if triton else max_len
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                     lengths: Tensor, split_len: int) -> Tensor:
+    """q (rows, heads, head_dim); lengths: positions each row attends, its new token included.
+    split_len 0: the per-row SDPA path (the CPU's, and CUDA's fallback if Triton fails)."""
+    if q.is_cuda and split_len:
+        return _triton_decode(q, k_cache, v_cache, slots, lengths, split_len)
+    out = torch.empty_like(q)
+    for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist(), strict=True)):
+        out[row] = F.scaled_dot_product_attention(
+            q[row, :, None], k_cache[slot, :, :length], v_cache[slot, :, :length], enable_gqa=True,
+        )[:, 0]
+    return out
+
+
+def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      chunks: list[tuple[int, int, int]]) -> Tensor:
+    """q (tokens, heads, head_dim) of several chunks back to back; chunks: (slot, start, n).
+    Each chunk's tokens attend to the slot's first `start` positions and causally to each other."""
+    out = torch.empty_like(q)
+    offset = 0
+    for slot, start, n in chunks:
+        qc = q[offset : offset + n].transpose(0, 1)[None]
+        keys = k_cache[slot, :, : start + n][None]
+        values = v_cache[slot, :, : start + n][None]
+        if q.is_cuda:
+            # Causal aligned to the last key: flash attention when start == 0, the
+            # memory-efficient kernel with its lower-right causal mask otherwise.
+            groups = qc.shape[1] // keys.shape[1]
+            from torch.nn.attention.bias import causal_lower_right
+
+            o = F.scaled_dot_product_attention(
+                qc, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1),
+                attn_mask=causal_lower_right(n, start + n))
+        else:
+            mask = None
+            if start > 0:
+                positions = torch.arange(start, start + n, device=q.device)
+                mask = torch.arange(start + n, device=q.device)[None, :] <= positions[:, None]
+            o = F.scaled_dot_product_attention(qc, keys, values, attn_mask=mask,
+                                               is_causal=mask is None, enable_gqa=True)
+        out[offset : offset + n] = o[0].transpose(0, 1)
+        offset += n
+    return out
+
+
+def _triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                   split_len: int) -> Tensor:
+    rows, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    n_splits = -(-k_cache.shape[2] // split_len)
+    q = q.contiguous()
+    partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
+    _split_kernel[(rows, kv_heads, n_splits)](
+        q, k_cache, v_cache, slots, lengths, partial, lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        dim ** -0.5,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
+        BLOCK_N=BLOCK_N, SPLIT_LEN=split_len,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
+        num_warps=4, num_stages=2,
+    )
+    out = torch.empty_like(q)
+    _merge_kernel[(rows, heads)](
+        partial, lse, out,
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        N_SPLITS=n_splits, SPLITS_PAD=triton.next_power_of_2(n_splits), DIM=dim,
+        num_warps=4,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Slots, Lengths, Partial, Lse,
+                      sq_row, sq_head,
+                      sk_slot, sk_head, sk_pos,
+                      sv_slot, sv_head, sv_pos,
+                      sp_row, sp_head, sp_split,
+                      sl_row, sl_head,
+                      scale,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, PRECISION: tl.constexpr):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        length = tl.load(Lengths + row)
+        slot = tl.load(Slots + row)
+        start = split * SPLIT_LEN
+        end = tl.minimum(start + SPLIT_LEN, length)
+
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM)
+        heads = kv_head * GROUP + g
+        in_group = g < GROUP
+        q = tl.load(Q + row * sq_row + heads[:, None] * sq_head + d[None, :],
+                    mask=in_group[:, None], other=0.0)
+        k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
+        v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
+
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < end
+            k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+        some = total > 0  # a split past the row's length saw nothing
+        out = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
+        lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+        tl.store(Partial + row * sp_row + heads[:, None] * sp_head + split * sp_split + d[None, :],
+                 out, mask=in_group[:, None])
+        tl.store(Lse + row * sl_row + heads * sl_head + split, lse, mask=in_group)
+
+    @triton.jit
+    def _merge_kernel(Partial, Lse, Out,
+                      sp_row, sp_head, sp_split, sl_row, sl_head, so_row, so_head,
+                      N_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, DIM)
+        lse = tl.load(Lse + row * sl_row + head * sl_head + s, mask=s < N_SPLITS, other=float("-inf"))
+        weight = tl.exp(lse - tl.max(lse, 0))
+        parts = tl.load(Partial + row * sp_row + head * sp_head + s[:, None] * sp_split + d[None, :],
+                        mask=(s < N_SPLITS)[:, None], other=0.0)
+        out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+        tl.store(Out + row * so_row + head * so_head + d, out.to(Out.dtype.element_ty))

@@ -1,0 +1,84 @@
+"""The engine's output: the only place where protobuf messages and metrics are built.
+
+The decode loop deals in token ids and Sequences; each step it collects, per sink (gateway
+stream), the events these functions build, and hands each sink all of its events at once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from finsieve.errors import RequestError
+from finsieve.policy.guard import Intervention
+from finsieve.v1 import chat_pb2
+
+from .sequence import Sequence, Sink
+
+Event = chat_pb2.ChatServerMessage
+
+STEP_SECONDS = Histogram("finsieve_decode_step_seconds",
+                         "One decode step for the whole batch (the inter-token latency)",
+                         buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
+TOKENS = Counter("finsieve_generated_tokens", "Tokens generated (accepted by the rules)")
+ROLLBACKS = Counter("finsieve_rollbacks", "Sequences rolled back (SAR)")
+LATE_REPAIRS = Counter(
+    "finsieve_late_repairs",
+    "Steps of a sequence thrown away because the token they followed was refused a step late "
+    "(optimistic decoding: the rules check step N while the device computes step N+1)")
+INTERVENTIONS = Counter("finsieve_interventions", "Policy interventions", ["rule_id", "action"])
+WAITING = Gauge("finsieve_engine_waiting", "Requests waiting for a KV slot")
+RUNNING = Gauge("finsieve_engine_running", "Requests holding a KV slot")
+
+
+class Outbox:
+    """One step's events, per sink, in order."""
+
+    def __init__(self) -> None:
+        self.by_sink: defaultdict[Sink, list[Event]] = defaultdict(list)
+
+    def add(self, seq: Sequence, event: Event) -> None:
+        self.by_sink[seq.sink].append(event)
+
+    def add_to(self, sink: Sink, event: Event) -> None:
+        self.by_sink[sink].append(event)
+
+    def __bool__(self) -> bool:
+        return bool(self.by_sink)
+
+    def deliver(self) -> None:
+        for sink, events in self.by_sink.items():
+            sink.deliver(events)
+
+
+def started(seq: Sequence, model: str) -> Event:
+    return Event(request_id=seq.request_id,
+                 started=chat_pb2.Started(model=model, policy_version=seq.policy_version))
+
+
+def delta(seq: Sequence, text: str, tokens: int) -> Event:
+    return Event(request_id=seq.request_id, delta=chat_pb2.Delta(text=text, tokens=tokens))
+
+
+def policy(seq: Sequence, i: Intervention, scope: str = "output") -> Event:
+    INTERVENTIONS.labels(i.rule_id, i.action).inc()
+    return Event(
+        request_id=seq.request_id,
+        policy_event=chat_pb2.PolicyEvent(
+            rule_id=i.rule_id, action=i.action, start=i.start, end=i.end,
+            rolled_back=i.rolled_back, tokens_recomputed=i.tokens_recomputed,
+            message=i.message, scope=scope, suppressed=i.suppressed,
+        ),
+    )
+
+
+def finished(seq: Sequence) -> Event:
+    usage = chat_pb2.Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids))
+    return Event(request_id=seq.request_id,
+                 finished=chat_pb2.Finished(finish_reason=int(seq.finish_reason), usage=usage))
+
+
+def error(request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> Event:
+    return RequestError(code, message, retry_after_ms=retry_after_ms).to_event(request_id)

@@ -1,0 +1,248 @@
+"""Device state and one step on it: inputs, the forward, the rules' mask, the sample.
+
+`launch` starts a step and returns at once on CUDA: the decode rows run as one CUDA graph
+(captured at start-up per batch-size bucket, over persistent input buffers), prefill
+chunks as one eager forward, then one batched mask and sample over every row, and one
+device-to-host copy of the sampled ids (into pinned memory, two buffers in turn). Nothing
+else waits for the device: `Launch.tokens` is the only synchronisation of a step, and the
+engine calls it for step N after launching step N+1.
+
+A decode row whose token is still on the device (the engine's optimistic rows) takes it
+from the previous step's samples by index, on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+import torch
+from torch import Tensor
+
+from .sampler import BanIndex, DeviceParams, SamplingRows, sample
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class StepRow:
+    """One sequence's share of a step, as the device sees it."""
+
+    slot: int
+    start: int  # KV position of the first token fed
+    tokens: list[int]  # empty: the token the previous step sampled in row `prev`
+    prev: int = -1
+    sample: bool = True
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    key: int = 0  # noise key of the sampled position
+    bans: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Launch:
+    """A step in flight. `order[j]` is the index (in the launched rows) of sample row j."""
+
+    order: list[int]
+    _host: Tensor | None = None
+    _done: torch.cuda.Event | None = None
+
+    def tokens(self) -> list[tuple[int, int]]:
+        """(token, first choice before the mask) per sampled row; waits for the device."""
+        if self._host is None:
+            return []
+        if self._done is not None:
+            self._done.synchronize()
+        tokens, first = self._host.tolist()
+        return list(zip(tokens, first, strict=True))
+
+
+class DecodeGraphs:
+    """The decode step captured once per batch-size bucket; padding rows write to the
+    cache's scratch slot."""
+
+    def __init__(self, model, max_rows: int) -> None:
+        self.model = model
+        self.buckets = sorted({*(b for b in (1, 2, 4, 8) if b < max_rows),
+                               *range(16, max_rows, 16), max_rows})
+        self.inputs = torch.zeros(3, max_rows, dtype=torch.long, device=model.device)
+        self.inputs[2].fill_(model.cache.scratch)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def capture(self) -> None:
+        pool = None
+        side = torch.cuda.Stream()
+        for size in reversed(self.buckets):  # largest first: the smaller reuse its memory
+            ids, positions, slots = self.inputs[:, :size]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles, autotunes, JITs Triton
+                for _ in range(2):
+                    self.model.decode(ids, positions, slots)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model.decode(ids, positions, slots)
+            pool = graph.pool()
+            self._graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+
+    def run(self, inputs: Tensor, rows: int) -> Tensor:
+        """inputs: (3, bucket) ids, positions, slots, padding included."""
+        size = inputs.shape[1]
+        self.inputs[:, :size].copy_(inputs)
+        graph, out = self._graphs[size]
+        graph.replay()
+        return out[:rows]
+
+
+class _Staging:
+    """A step's host-to-device inputs, through pinned buffers used in turn (three: a buffer is
+    written again only after the device has finished the step that read it). A copy from
+    pageable memory may wait for the device's earlier work, and so stall the pipeline."""
+
+    def __init__(self, device: torch.device, size: int = 1 << 18) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._size = size
+        self._buffers: dict[tuple[int, torch.dtype], Tensor] = {}
+        # A buffer outgrown while a copy from it may be pending is kept, never freed: growth
+        # doubles, so what is kept is at most the size of the buffers in use.
+        self._outgrown: list[Tensor] = []
+        self._turn = 0
+
+    def next_step(self) -> None:
+        self._turn = (self._turn + 1) % 3
+
+    def put(self, parts: list[np.ndarray], dtype: torch.dtype) -> list[Tensor]:
+        """One copy for all parts; device views of each, in order."""
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if not self._pinned:
+            whole = torch.from_numpy(np.ascontiguousarray(flat)).to(dtype)
+        else:
+            key = (self._turn, dtype)
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() < flat.size:
+                if buf is not None:
+                    self._outgrown.append(buf)
+                self._size = max(self._size, 2 * flat.size)
+                buf = torch.empty(self._size, dtype=dtype, pin_memory=True)
+                self._buffers[key] = buf
+            buf.numpy()[: flat.size] = flat
+            whole = buf[: flat.size].to(self.device, non_blocking=True)
+        return list(whole.split([p.size for p in parts]))
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, graphs: bool = False) -> None:
+        self.model = model
+        self.device = device
+        self.n_slots = model.n_slots
+        self._bans = BanIndex()
+        self._staging = _Staging(device)
+        self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
+        self._cuda = device.type == "cuda"
+        self._pinned = [torch.empty(4 * self.n_slots, dtype=torch.long, pin_memory=True)
+                        for _ in range(2)] if self._cuda else []
+        self._flip = 0
+        self.graphs: DecodeGraphs | None = None
+        self.startup_s = 0.0
+        if graphs:
+            start = time.perf_counter()
+            self.graphs = DecodeGraphs(model, self.n_slots)
+            self.graphs.capture()
+            self._warm_prefill()
+            self.startup_s = time.perf_counter() - start
+            log.info("cuda graphs captured", buckets=self.graphs.buckets,
+                     seconds=round(self.startup_s, 1))
+
+    def launch(self, rows: list[StepRow]) -> Launch:
+        self._staging.next_step()
+        decode = [i for i, r in enumerate(rows) if r.sample and len(r.tokens) <= 1]
+        in_decode = set(decode)
+        prefill = [i for i in range(len(rows)) if i not in in_decode]
+        order = decode + [i for i in prefill if rows[i].sample]
+        sampled = [rows[i] for i in order]
+        params = SamplingRows([r.temperature for r in sampled], [r.top_k for r in sampled],
+                              [r.top_p for r in sampled], [r.key for r in sampled],
+                              [r.bans for r in sampled])
+        # Every integer the step needs goes to the device in one copy.
+        parts = [self._decode_inputs([rows[i] for i in decode])] if decode else []
+        flat_bans = self._bans.flat(params.bans) if order else None
+        if flat_bans is not None:
+            parts.append(flat_bans.reshape(-1))
+        if params.sampled:
+            parts.append(np.asarray([params.top_k, params.keys], dtype=np.int64).reshape(-1))
+        staged = self._staging.put(parts, torch.long) if parts else []
+        logits = []
+        if decode:
+            logits.append(self._decode([rows[i] for i in decode], staged.pop(0).view(5, -1)))
+        bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
+        device_params = None
+        if params.sampled:
+            ints = staged.pop(0).view(2, -1)
+            floats = self._staging.put([np.asarray([params.temperature, params.top_p],
+                                                   dtype=np.float32).reshape(-1)], torch.float32)[0]
+            floats = floats.view(2, -1)
+            device_params = DeviceParams(floats[0], floats[1], ints[0], ints[1], params.filtered)
+        if prefill:
+            out = self.model.prefill([(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill],
+                                     [rows[i].sample for i in prefill])
+            if out.shape[0]:
+                logits.append(out)
+        if not order:
+            return Launch(order)
+        out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), device_params, bans)
+        self._prev = out[0]
+        if not self._cuda:
+            return Launch(order, out)
+        host = self._pinned[self._flip][: 2 * len(order)].view(2, len(order))
+        self._flip ^= 1
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launch(order, host, done)
+
+    def _decode_inputs(self, rows: list[StepRow]) -> np.ndarray:
+        """(5, bucket): ids, positions, slots, from-previous flag, previous row; padding rows
+        feed token 0 at position 0 of the scratch slot."""
+        n = len(rows)
+        size = self.graphs.bucket(n) if self.graphs else n
+        out = np.zeros((5, size), dtype=np.int64)
+        out[0, :n] = [r.tokens[0] if r.tokens else 0 for r in rows]
+        out[1, :n] = [r.start for r in rows]
+        out[2, :n] = [r.slot for r in rows]
+        if size > n:
+            out[2, n:] = self.model.cache.scratch
+        out[3, :n] = [0 if r.tokens else 1 for r in rows]
+        out[4, :n] = [r.prev if not r.tokens else 0 for r in rows]
+        return out.reshape(-1)
+
+    def _decode(self, rows: list[StepRow], inputs: Tensor) -> Tensor:
+        if any(not r.tokens for r in rows):
+            # Optimistic rows: the previous step's sample, on the device. A row that had
+            # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
+            ahead = self._prev[inputs[4]].clamp(min=0)
+            inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
+        if self.graphs is not None:
+            return self.graphs.run(inputs[:3], len(rows))
+        return self.model.decode(inputs[0], inputs[1], inputs[2])
+
+    def _warm_prefill(self) -> None:
+        n = min(64, self.model.cache.max_len)
+        self.model.prefill([(self.model.cache.scratch, 0, [0] * n)], [True])
+        torch.cuda.synchronize()
+
+    def healthy(self) -> bool:
+        """Can the device still compute? (After a CUDA error it cannot: the context is lost.)"""
+        if not self._cuda:
+            return True
+        try:
+            return torch.ones(1, device=self.device).add_(1).item() == 2.0
+        except Exception:  # any failure here means the device is gone
+            return False

@@ -1,0 +1,158 @@
+"""What the next step computes: admission into KV slots, decode rows and chunked prefill.
+
+No torch here: the scheduler decides which tokens of which sequences are fed at which KV
+positions; the model runner feeds them. Every running sequence is in one of three states:
+
+  * it has tokens the cache does not hold yet (a prompt, or text a rewrite forced in):
+    they are fed in chunks that start at multiples of `prefill_chunk` positions, at most
+    `prefill_chunk` tokens of prefill per step, so a burst of long prompts never holds
+    the running streams back for more than one chunk (chunk boundaries depend on the
+    sequence alone, so an answer never depends on what else arrived);
+  * the cache holds all but its last token: one decode row feeds it (exact: the host
+    knows the token and the rules' ban list for the next position);
+  * a launched step is sampling its next token: one decode row feeds that token straight
+    from the device (optimistic: the rules check it while this step runs; if they refuse
+    it, this row's result is dropped and the position decoded again).
+
+A rollback (SAR), resample or rewrite is not special work: the sequence's tokens change and
+`Sequence.redo` sets its KV length back; the next `schedule` feeds what the cache lacks.
+Cancel and finish free the slot at once. Requests are indexed by (sink, request id), so a
+cancel costs a dict lookup whatever the number of live requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from finsieve.errors import RequestError, invalid
+
+from .sequence import Sequence, Sink, Status
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    start: int  # KV position of the first token fed
+    tokens: list[int]  # fed from the host; empty: the token the sequence's pending row samples
+    sample: bool  # sample a token after the last one fed
+
+    @property
+    def optimistic(self) -> bool:
+        return not self.tokens
+
+
+class Scheduler:
+    def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_context: int) -> None:
+        self.n_slots = n_slots
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.max_context = max_context
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._live: dict[tuple[Sink, str], Sequence] = {}
+        self._by_sink: dict[Sink, dict[str, Sequence]] = {}
+        self._seconds_per_request = 0.0  # moving average, for the retry hint
+
+    # -- requests in and out ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; raises RequestError when its id is in flight or the queue is full."""
+        if (seq.sink, seq.request_id) in self._live:
+            raise invalid("request_id", "a request with this id is in flight")
+        if len(self.waiting) >= self.max_waiting:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the engine's queue is full ({self.max_waiting} requests wait for a slot); retry later",
+                retry_after_ms=self.retry_after_ms(),
+            )
+        self._live[seq.sink, seq.request_id] = seq
+        self._by_sink.setdefault(seq.sink, {})[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def find(self, sink: Sink, request_id: str) -> Sequence | None:
+        return self._live.get((sink, request_id))
+
+    def of_sink(self, sink: Sink) -> list[Sequence]:
+        return list(self._by_sink.get(sink, {}).values())
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence is over: its slot is free for the next step."""
+        if self._live.pop((seq.sink, seq.request_id), None) is None:
+            return
+        of_sink = self._by_sink[seq.sink]
+        del of_sink[seq.request_id]
+        if not of_sink:
+            del self._by_sink[seq.sink]
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._free.append(seq.slot)
+            took = time.monotonic() - seq.admitted_at
+            self._seconds_per_request += 0.1 * (took - self._seconds_per_request)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def retry_after_ms(self) -> int:
+        """When a slot is likely free for one more request: the queue ahead of it, drained
+        n_slots at a time at the recent pace."""
+        per_request = self._seconds_per_request or 1.0
+        rounds = (len(self.waiting) + 1) / self.n_slots
+        return int(min(max(per_request * rounds, 0.1), 60.0) * 1000)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    # -- one step -----------------------------------------------------------------------
+
+    def admit(self) -> list[Sequence]:
+        """Waiting requests that take a free slot now, first come first served."""
+        admitted = []
+        while self.waiting and self._free:
+            seq = self.waiting.popleft()
+            seq.slot = self._free.pop()
+            seq.status = Status.RUNNING
+            seq.kv_len = seq.ahead = seq.stale = 0
+            seq.admitted_at = time.monotonic()
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def schedule(self) -> list[Row]:
+        """The rows of the next step; marks what they will write and sample."""
+        rows: list[Row] = []
+        budget = self.prefill_chunk
+        for seq in self.running:
+            if seq.ahead:
+                if self._may_run_ahead(seq):
+                    rows.append(Row(seq, seq.kv_len, [], True))
+                    seq.kv_len += 1
+                    seq.ahead += 1
+                continue
+            feed = seq.context_len - seq.kv_len
+            if feed == 1:
+                rows.append(Row(seq, seq.kv_len, [seq.token_at(seq.kv_len)], True))
+                seq.kv_len += 1
+                seq.ahead += 1
+                continue
+            n = min(feed, self.prefill_chunk - seq.kv_len % self.prefill_chunk)
+            if n > budget and budget < self.prefill_chunk:
+                continue  # the next step has room for it; one whole chunk always fits
+            budget -= n
+            last = n == feed
+            rows.append(Row(seq, seq.kv_len, seq.tokens(seq.kv_len, seq.kv_len + n), last))
+            seq.kv_len += n
+            seq.ahead += last
+        return rows
+
+    def _may_run_ahead(self, seq: Sequence) -> bool:
+        """Decode the token a launched step is sampling before the host has seen it, unless
+        that token will end the answer anyway."""
+        return (seq.ahead == 1 and seq.kv_len < self.max_context
+                and len(seq.output_ids) + 1 < seq.sampling.max_tokens)

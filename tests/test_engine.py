@@ -1,0 +1,317 @@
+"""The engine's parts on the CPU: scheduler, batched sampler, and one request never hurting another."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+
+import grpc
+import pytest
+import torch
+
+from finsieve.client import chat_request
+from finsieve.engine.engine import NO_POLICY, CollectingSink, LLMEngine
+from finsieve.engine.sampler import SamplingRows, noise_key, sample
+from finsieve.engine.scheduler import Scheduler
+from finsieve.engine.sequence import Sampling, Sequence, Status
+from finsieve.errors import RequestError
+from finsieve.policy.guard import Guard
+from finsieve.v1 import chat_pb2
+
+from conftest import text_of
+
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+# -- scheduler (no torch, no model) ----------------------------------------------------
+
+def _seq(rid: str, prompt: int, sink: object = "sink", max_tokens: int = 50) -> Sequence:
+    sampling = Sampling.safe(max_tokens, 0.0, 1.0, 0, None, ())
+    return Sequence(rid, sink, list(range(prompt)), sampling, Guard(NO_POLICY, [b"x"] * 100))
+
+
+def test_prompts_are_prefilled_in_fixed_chunks_within_the_step_budget():
+    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000)
+    long, short, other = _seq("long", 250), _seq("short", 30), _seq("other", 90)
+    for seq in (long, short, other):
+        s.add(seq)
+    assert s.admit() == [long, short, other]
+    first = s.schedule()  # one whole chunk of the long prompt fills the step's budget
+    assert [(r.seq.request_id, r.start, len(r.tokens), r.sample) for r in first] == [("long", 0, 100, False)]
+    second = s.schedule()
+    assert [(r.seq.request_id, r.start, len(r.tokens)) for r in second] == [("long", 100, 100)]
+    third = s.schedule()  # the rest of the long prompt (50) and the short one (30) fit together
+    assert [(r.seq.request_id, len(r.tokens), r.sample) for r in third] == [("long", 50, True),
+                                                                         ("short", 30, True)]
+    fourth = s.schedule()  # both now decode ahead of the host; "other" gets its chunk
+    assert [(r.seq.request_id, r.optimistic) for r in fourth] == [("long", True), ("short", True),
+                                                                 ("other", False)]
+    assert long.kv_len == 251 and long.ahead == 2
+
+
+def test_a_redone_sequence_feeds_what_the_cache_lacks_and_drops_launched_results():
+    s = Scheduler(n_slots=2, max_waiting=8, prefill_chunk=100, max_context=1000)
+    seq = _seq("a", 10)
+    s.add(seq)
+    s.admit()
+    s.schedule()  # prompt
+    seq.ahead -= 1
+    seq.output_ids += [1, 2, 3]  # three tokens accepted meanwhile
+    seq.kv_len, seq.ahead = 13, 1
+    s.schedule()  # optimistic row for the token in flight
+    assert seq.ahead == 2
+    seq.output_ids[1:] = [7, 8, 9]  # a rewrite after the first answer token
+    seq.redo(valid=11)
+    assert (seq.stale, seq.ahead, seq.kv_len) == (2, 0, 11)
+    (row,) = s.schedule()
+    assert (row.start, row.tokens, row.sample) == (11, [7, 8, 9], True)
+
+
+def test_the_waiting_queue_is_bounded_with_a_retry_hint_and_ids_are_unique():
+    s = Scheduler(n_slots=1, max_waiting=2, prefill_chunk=100, max_context=1000)
+    s.add(_seq("a", 5))
+    s.add(_seq("b", 5))
+    with pytest.raises(RequestError) as full:
+        s.add(_seq("c", 5))
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and full.value.retry_after_ms > 0
+    with pytest.raises(RequestError) as dup:
+        s.add(_seq("a", 5))
+    assert dup.value.field == "request_id"
+    s.admit()  # "a" takes the slot: the queue has room again
+    s.add(_seq("a", 5, sink="another stream"))  # ids are unique per stream only
+
+
+def test_cancel_lookups_and_release_free_the_slot_at_once():
+    s = Scheduler(n_slots=1, max_waiting=8, prefill_chunk=100, max_context=1000)
+    a, b = _seq("a", 5, "s1"), _seq("b", 5, "s1")
+    s.add(a)
+    s.add(b)
+    s.admit()
+    assert s.find("s1", "nope") is None and s.find("s2", "a") is None
+    assert s.find("s1", "a") is a and set(s.of_sink("s1")) == {a, b}
+    s.release(a)
+    assert a.status is Status.FINISHED and s.admit() == [b]
+    s.release(a)  # twice: nothing happens
+    assert len(s) == 1
+
+
+# -- batched sampler -----------------------------------------------------------------
+
+def _rows(n: int, temperature: float, seeds: list[int], positions: list[int]) -> SamplingRows:
+    return SamplingRows([temperature] * n, [0] * n, [1.0] * n,
+                        [noise_key(s, p) for s, p in zip(seeds, positions, strict=True)], [[]] * n)
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch():
+    torch.manual_seed(0)
+    row = torch.randn(1000)
+    alone = sample(row[None], _rows(1, 1.0, [42], [7]), None)[0].tolist()
+    others = torch.randn(40, 1000)
+    batch = torch.cat([others[:13], row[None], others[13:]])
+    seeds = [*range(13), 42, *range(100, 127)]
+    together = sample(batch, _rows(41, 1.0, seeds, [7] * 41), None)[0].tolist()
+    assert together[13] == alone[0]
+    draws = {sample(row[None], _rows(1, 1.0, [s], [7]), None)[0, 0].item() for s in range(30)}
+    assert len(draws) > 5  # other seeds draw other tokens: it is sampling, not argmax
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, float("nan"), float("inf"), -1.0, 0.7])
+def test_no_temperature_makes_the_sampler_fail(temperature):
+    """Whatever reaches it: the sampler itself survives, and the engine's parameters are safe."""
+    logits = torch.randn(3, 500) * 30
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")  # nothing allowed: -1, the engine halts that row alone
+    rows = SamplingRows([temperature] * 3, [0] * 3, [0.5] * 3, [1, 2, 3], [[], [7], []])
+    tokens = sample(logits, rows, torch.tensor([[0], [1]]))[0].tolist()
+    assert 0 <= tokens[0] < 500 and tokens[0] != 1 and 0 <= tokens[1] < 500 and tokens[2] == -1
+    s = Sampling.safe(10, temperature, 1.0, 0, 1, ())
+    assert s.greedy == (not (math.isfinite(temperature) and temperature >= 1e-4))
+
+
+# -- the engine: one request never hurts the others ------------------------------------
+
+def _run(engine: LLMEngine, requests: list[chat_pb2.ChatRequest]) -> dict[str, list]:
+    sinks = {r.request_id: CollectingSink() for r in requests}
+    for r in requests:
+        engine.submit(engine.prepare(r, sinks[r.request_id]))
+    while not all(s.finished for s in sinks.values()):
+        engine.step()
+    return {rid: s.events for rid, s in sinks.items()}
+
+
+def test_a_temperature_of_1e_45_fails_nothing_else_in_the_batch(engine):
+    tiny = chat_request("tiny", "Say hello.", max_tokens=8, temperature=1e-45)
+    others = [chat_request(f"o{i}", "What is a bond?", max_tokens=8, temperature=0.7, seed=i)
+              for i in range(3)]
+    out = _run(engine, [tiny, *others])
+    for rid, events in out.items():
+        assert events[-1].WhichOneof("event") == "finished", rid
+        assert text_of(events), rid
+    greedy = _run(engine, [chat_request("g", "Say hello.", max_tokens=8)])["g"]
+    assert text_of(out["tiny"]) == text_of(greedy)  # a temperature that small is greedy
+
+
+def test_an_exception_in_one_sequence_fails_that_sequence_alone(engine, monkeypatch):
+    requests = [chat_request(f"r{i}", "Name a kind of savings account.", max_tokens=10) for i in range(3)]
+    sinks = {r.request_id: CollectingSink() for r in requests}
+    seqs = [engine.prepare(r, sinks[r.request_id]) for r in requests]
+
+    def broken(token):  # a fault that no input produces today: injected
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(seqs[1].guard, "check", broken)
+    for seq in seqs:
+        engine.submit(seq)
+    while not all(s.finished for s in sinks.values()):
+        engine.step()
+    failed = sinks["r1"].events[-1]
+    assert failed.WhichOneof("event") == "error" and failed.error.code == INTERNAL
+    for rid in ("r0", "r2"):
+        assert sinks[rid].events[-1].WhichOneof("event") == "finished"
+        assert sinks[rid].events[-1].finished.usage.completion_tokens == 10
+
+
+def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint(default_model_dir):
+    from finsieve.engine.engine import EngineLimits
+    from finsieve.engine.loader import load_model
+
+    from conftest import MODEL_STATE
+
+    cpu = torch.device("cpu")
+    small = LLMEngine(load_model(str(default_model_dir), MODEL_STATE, cpu),
+                      EngineLimits(max_batch=1, max_context=256, default_max_tokens=4, max_waiting=2), cpu)
+    out = _run(small, [chat_request(f"q{i}", "Hi", max_tokens=4) for i in range(3)])
+    assert out["q0"][-1].WhichOneof("event") == "finished"
+    assert out["q1"][-1].WhichOneof("event") == "finished"
+    refused = out["q2"][-1].error
+    assert refused.code == EXHAUSTED and refused.retry_after_ms > 0
+
+
+def test_cancels_for_unknown_ids_change_nothing(engine):
+    sink = CollectingSink()
+    keep = engine.prepare(chat_request("keep", "What is an index fund?", max_tokens=12), sink)
+    engine.submit(keep)
+    engine.step()
+    for i in range(5000):
+        engine.cancel(sink, f"unknown-{i}")
+    engine.cancel(CollectingSink())  # a stream that has nothing in flight
+    while not sink.finished:
+        engine.step()
+    assert sink.events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_any_rule_scans_it(engine, monkeypatch):
+    from pathlib import Path
+
+    from finsieve.policy.guard import compile_policy
+    from finsieve.policy.masks import TokenTable
+    from finsieve.policy.matcher import StreamMatcher
+
+    policy = compile_policy(Path(__file__).parents[1] / "rules", TokenTable.build(engine.token_bytes),
+                            None)[0]
+    assert policy.pack.input, "the default packs have input rules"
+    monkeypatch.setattr(engine, "policy", lambda: policy)
+    fed = []
+    original = StreamMatcher.feed
+    monkeypatch.setattr(StreamMatcher, "feed", lambda self, data: fed.append(1) or original(self, data))
+    big = chat_request("big", "insider tips on ACME. " * 12_000, max_tokens=4)  # ~260 KB
+    with pytest.raises(RequestError) as refused:
+        engine.prepare(big, CollectingSink())
+    assert refused.value.field == "messages" and "tokens" in refused.value.message
+    assert fed == []
+
+
+# -- the engine's gRPC stream survives what one request does ---------------------------
+
+@contextlib.contextmanager
+def _engine_thread(engine: LLMEngine):
+    engine._stopping = False
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        engine.stop()
+        thread.join(30)
+
+
+async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str]) -> dict[str, list]:
+    """Raw frames on the engine's Generate stream (a real gRPC server on loopback)."""
+    from finsieve.engine.server import EngineService, add_to_server
+    from finsieve.grpc_server import Service, start_server
+    from finsieve.v1 import engine_pb2
+
+    running = await start_server("127.0.0.1:0", [Service("finsieve.v1.Engine", EngineService(engine),
+                                                         add_to_server)])
+    out: dict[str, list] = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            call = channel.stream_stream("/finsieve.v1.Engine/Generate", request_serializer=None,
+                                         response_deserializer=engine_pb2.EngineStep.FromString)
+
+            async def send():
+                for f in frames:
+                    yield f
+                await asyncio.sleep(600)
+
+            async for step in call(send()):
+                for e in step.events:
+                    out.setdefault(e.request_id, []).append(e)
+                if all(rid in out and out[rid][-1].WhichOneof("event") in ("finished", "error")
+                       for rid in wanted):
+                    break
+    finally:
+        await running.server.stop(0)
+    return out
+
+
+def _frame(request: chat_pb2.ChatRequest) -> bytes:
+    return chat_pb2.ChatClientMessage(request=request).SerializeToString()
+
+
+def test_a_bad_frame_or_a_failing_prepare_fails_that_request_and_the_stream_goes_on(engine, monkeypatch):
+    bad = _frame(chat_request("bad", "XXXX", max_tokens=3)).replace(b"XXXX", b"\xff\xfe\xfd\xfc")
+    crash = _frame(chat_request("crash", "Hello", max_tokens=3))
+    good = _frame(chat_request("good", "Say hello.", max_tokens=3))
+    prepare = engine.prepare
+
+    def flaky(request, sink):  # a fault that no input produces today: injected
+        if request.request_id == "crash":
+            raise ValueError("injected")
+        return prepare(request, sink)
+
+    monkeypatch.setattr(engine, "prepare", flaky)
+    with _engine_thread(engine):
+        out = asyncio.run(asyncio.wait_for(_generate(engine, [bad, crash, good],
+                                                     {"bad", "crash", "good"}), 120))
+    assert out["bad"][-1].error.code == INVALID
+    assert out["crash"][-1].error.code == INTERNAL
+    assert out["good"][-1].WhichOneof("event") == "finished" and text_of(out["good"])
+
+
+def test_a_device_that_stops_computing_stops_the_engine_and_fails_its_requests(engine, monkeypatch):
+    """A CUDA error cannot be produced on the CPU: the step's failure and the lost device are
+    injected. Every request gets UNAVAILABLE and `failed` is set (serve then exits with 1)."""
+    sinks = [CollectingSink() for _ in range(3)]
+    for i, sink in enumerate(sinks):
+        engine.submit(engine.prepare(chat_request(f"d{i}", "What is a bond?", max_tokens=50), sink))
+    engine.step()
+
+    def lost(rows):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    monkeypatch.setattr(engine.runner, "launch", lost)
+    monkeypatch.setattr(engine.runner, "healthy", lambda: False)
+    engine.failed.clear()
+    with _engine_thread(engine):
+        assert engine.failed.wait(60)
+    unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+    for sink in sinks:
+        assert sink.events[-1].WhichOneof("event") == "error"
+        assert sink.events[-1].error.code == unavailable
+    assert len(engine.scheduler) == 0
+    engine._in_flight = None  # the session's engine goes on serving the next tests

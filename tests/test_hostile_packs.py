@@ -1,0 +1,332 @@
+"""Rule packs are untrusted input (issue 8): bounded loading, regular files only, bounded
+regex cost per token, a rejected pack never changes what is in force, the watcher survives.
+
+Loading on real files; hot reload through the real watcher and through a running server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from finsieve.client import chat_request
+from finsieve.policy.matcher import REGEX_TIMEOUTS, StreamMatcher
+from finsieve.policy.pack import Pack
+from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
+from finsieve.policy.schema import PackError
+from finsieve.policy.sources import PackLimits
+from finsieve.v1 import chat_pb2
+
+from conftest import ChatStream, apply, canary_halts, kinds, wait_for
+
+RULE = """\
+  - id: {id}
+    description: test rule
+    kind: {kind}
+    patterns: [{pattern}]
+    action: {action}
+"""
+
+
+def rule(id: str = "r1", pattern: str = "foo", kind: str = "literal", action: str = "block",
+         extra: str = "") -> str:
+    return "rules:\n" + RULE.format(id=id, kind=kind, pattern=pattern, action=action) + extra
+
+
+def rejected(directory: Path, limits: PackLimits | None = None) -> list[str]:
+    """Every problem of the pack, file paths relative to directory."""
+    with pytest.raises(PackError) as err:
+        Pack.load(directory, limits or PackLimits())
+    return [str(p).replace(f"{directory}/", "") for p in err.value.problems]
+
+
+# -- bounded parsing ---------------------------------------------------------------------------
+
+
+def billion_laughs(levels: int) -> str:
+    """A few hundred bytes whose aliases expand to 10**levels strings: a rule's description
+    (anchors under `pack`, whose content is free)."""
+    lines = ['pack:', '  l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"  l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n" + rule().replace("test rule", f"*l{levels - 1}")
+
+
+def test_alias_expansion_is_measured_not_built(tmp_path):
+    """Old: the aliases were expanded before any type was checked (7 levels: ten million
+    strings, about 100 MB; a few levels more: ~24 GB)."""
+    text = billion_laughs(7)
+    assert len(text) < 1000
+    (tmp_path / "lol.yaml").write_text(text)
+    tracemalloc.start()
+    try:
+        problems = rejected(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert any(p.startswith("lol.yaml:") and "once aliases are expanded" in p for p in problems), problems
+    assert peak < 16 * 1024 * 1024
+
+
+@pytest.mark.parametrize("case", ["flow", "block", "recursive alias", "deep through aliases"])
+def test_deep_yaml_is_a_problem_with_a_line_not_a_recursion_error(tmp_path, case):
+    """Old: deep nesting raised RecursionError out of the loader (and killed the watcher)."""
+    text = {
+        "flow": "rules: " + "[" * 20000 + "]" * 20000 + "\n",
+        "block": "rules:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 400)) + "  " * 400 + "x\n",
+        "recursive alias": "x: &a [*a]\n" + rule(),
+        "deep through aliases": "a: &a " + "[" * 30 + "]" * 30 + "\nb: &b [[[[[[*a]]]]]]\n" + rule(),
+    }[case]
+    (tmp_path / "deep.yaml").write_text(text)
+    problems = rejected(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("deep.yaml:"), problems
+    line = int(problems[0].split(":")[1])
+    assert line >= 1
+    assert "nested deeper than 32" in problems[0] or "refers to a node that contains it" in problems[0]
+
+
+def test_definitions_that_use_themselves_or_grow_are_refused(tmp_path):
+    """Old: expansion ran ten rounds: a self-reference grew ten-fold (or 2**10-fold) and was
+    then accepted as a regex that still said ${a}."""
+    (tmp_path / "defs.yaml").write_text(
+        "definitions:\n"
+        "  a: '${a}x'\n"
+        "  b: '${c}'\n"
+        "  c: '${b}'\n"
+        "  d: '(?:${a})?y'\n"
+        "  e: '${f}${f}${f}${f}${f}${f}${f}${f}'\n"
+        "  f: '${g}${g}${g}${g}${g}${g}${g}${g}'\n"
+        "  g: '" + "z" * 200 + "'\n"
+        + rule(kind="regex", pattern="'${e}'", extra="    max_span: 10\n"))
+    problems = rejected(tmp_path)
+    assert "defs.yaml:2: -: definitions.a: uses itself (a -> a)" in problems
+    assert "defs.yaml:3: -: definitions.b: uses itself (b -> c -> b)" in problems
+    assert "defs.yaml:4: -: definitions.c: uses itself (c -> b -> c)" in problems \
+        or "defs.yaml:4: -: definitions.c: uses itself (b -> c -> b)" in problems
+    assert "defs.yaml:5: -: definitions.d: uses definition ${a}, which is invalid" in problems
+    assert any(p.startswith("defs.yaml:6: -: definitions.e: expands to ") for p in problems), problems
+    assert any(p.startswith("defs.yaml:13: r1: patterns: '${e}' uses definition ${e}") for p in problems)
+
+
+@pytest.mark.parametrize(("pattern", "why"), [
+    ("(" * 300 + "a" + ")" * 300, "nests groups 300 deep (at most 32)"),
+    ("a" * 9000, "expands to 9000 characters (at most 8192)"),
+])
+def test_regex_size_and_nesting_are_bounded(tmp_path, pattern, why):
+    """Old: 300 nested groups raised RecursionError out of the compiler."""
+    (tmp_path / "re.yaml").write_text(rule(kind="regex", pattern=f"'{pattern}'", extra="    max_span: 10\n"))
+    problems = rejected(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("re.yaml:5: r1: patterns: ")
+    assert why in problems[0] and len(problems[0]) < 600
+
+
+def test_control_characters_are_a_problem_with_a_line(tmp_path):
+    """Found by the pack fuzzer: YAML's reader refuses them before parsing starts."""
+    (tmp_path / "a.yaml").write_text(rule() + "# \x05\n")
+    assert rejected(tmp_path) == ["a.yaml:7: -: yaml: not valid YAML: character U+0005 is not allowed"]
+
+
+def test_values_quoted_in_problems_are_shortened(tmp_path):
+    (tmp_path / "a.yaml").write_text(rule(action="z" * 100_000))
+    (problem,) = rejected(tmp_path)
+    assert problem.startswith("a.yaml:6: r1: action: unknown value 'zzz") and len(problem) < 600
+
+
+def test_the_pack_size_is_bounded(tmp_path):
+    (tmp_path / "a.yaml").write_text(rule())
+    (tmp_path / "b.yaml").write_text("# padding\n" * 200 + rule(id="r2"))
+    problems = rejected(tmp_path, PackLimits(max_bytes=1000))
+    assert problems == ["b.yaml:0: -: file: the pack's files exceed 1000 bytes together "
+                        "(FINSIEVE_RULES_MAX_BYTES)"]
+
+
+# -- regular files only -----------------------------------------------------------------------
+
+
+def test_fifos_and_devices_are_refused_without_blocking(tmp_path):
+    """Old: reading a FIFO named *.yaml blocked the loader (and so the watcher) for good."""
+    (tmp_path / "good.yaml").write_text(rule())
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    (tmp_path / "null.yaml").symlink_to("/dev/null")
+    outcome: list = []
+    loader = threading.Thread(target=lambda: outcome.append(rejected(tmp_path)), daemon=True)
+    loader.start()
+    loader.join(30)
+    if loader.is_alive():  # release a blocked reader before failing
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert outcome, "loading blocked on the FIFO"
+    assert outcome[0] == ["null.yaml:0: -: file: not a regular file (a FIFO, device or directory)",
+                          "pipe.yaml:0: -: file: not a regular file (a FIFO, device or directory)"]
+
+
+def configmap(root: Path, files: dict[str, str], stamp: str) -> None:
+    """Kubernetes' ConfigMap volume layout: x.yaml -> ..data/x.yaml, ..data -> ..<stamp>."""
+    data = root / f"..{stamp}"
+    data.mkdir()
+    for name, text in files.items():
+        (data / name).write_text(text)
+        if not (root / name).is_symlink():
+            (root / name).symlink_to(Path("..data") / name)
+    tmp = root / "..data_tmp"
+    tmp.symlink_to(data.name)
+    os.replace(tmp, root / "..data")  # the kubelet's atomic swap
+
+
+def test_a_configmap_mount_loads_once_and_its_updates_are_followed(tmp_path):
+    """Old: every rule was found three times (x.yaml, ..data/x.yaml, ..<stamp>/x.yaml):
+    duplicate ids stopped start-up."""
+    configmap(tmp_path, {"a.yaml": rule("first"), "b.yaml": rule("second", "bar")}, "2026_11_30_01")
+    pack = Pack.load(tmp_path)
+    assert sorted(r.id for r in pack.rules) == ["first", "second"]
+    holder = PolicyHolder(pack, pack.version)
+    watcher = RulesWatcher(tmp_path, holder, lambda d: (p := Pack.load(d), p.version), 20)
+    watcher.start()
+    try:
+        time.sleep(0.3)
+        configmap(tmp_path, {"a.yaml": rule("first", "changed"), "b.yaml": rule("second", "bar")},
+                  "2026_11_30_02")
+        assert wait_for(lambda: holder.version != pack.version)
+        assert holder.current.rule("first").patterns == ("changed",)
+        assert holder.rejections == 0
+    finally:
+        watcher.stop()
+
+
+# -- the watcher -------------------------------------------------------------------------------------
+
+
+def test_the_watcher_survives_anything_a_pack_does_and_keeps_watching(tmp_path):
+    """Old: RecursionError (deep YAML) escaped reload() and ended the watcher thread: hot
+    reload stopped silently. MemoryError cannot be produced safely on a shared machine: the
+    compile step raises it for one marked file (a fault injected into the real watcher)."""
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "a.yaml").write_text(rule("first"))
+
+    def compile_pack(d: Path):
+        if (d / "oom.yaml").exists():
+            raise MemoryError
+        pack = Pack.load(d)
+        return pack, pack.version
+
+    first = Pack.load(rules)
+    holder = PolicyHolder(first, first.version)
+    watcher = RulesWatcher(rules, holder, compile_pack, 20)
+    watcher.start()
+    try:
+        time.sleep(0.3)
+        for name, text in [("deep.yaml", "rules: " + "[" * 5000 + "]" * 5000), ("oom.yaml", rule("x"))]:
+            before = holder.rejections
+            (rules / name).write_text(text)
+            assert wait_for(lambda before=before: holder.rejections > before)
+            assert holder.version == first.version
+            (rules / name).unlink()
+        assert any("deep.yaml:1: -: yaml: not valid YAML: nested deeper than 32" in e.reason
+                   for e in holder.events)
+        assert "MemoryError" in holder.last_rejection
+        shutil.rmtree(rules)  # even a directory that goes away and comes back
+        time.sleep(0.3)
+        rules.mkdir()
+        (rules / "a.yaml").write_text(rule("second"))
+        assert wait_for(lambda: holder.current.rule("second") is not None)
+        assert watcher._thread.is_alive()
+    finally:
+        watcher.stop()
+
+
+def test_a_stored_rejection_reason_is_bounded():
+    holder = PolicyHolder(object(), "v1")
+    holder.reject("x" * 10_000_000)
+    assert len(holder.last_rejection) < MAX_REASON_CHARS + 100
+    assert holder.events[-1].reason == holder.last_rejection
+
+
+# -- regex cost per token ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pattern", "text"), [
+    ("(a|aa)+b", "a" * 60 + "c"),
+    ("(a|a)+b", "a" * 60 + "c"),
+    ("x(aa|a)+b", "x" + "a" * 60 + "c"),
+])
+def test_a_backtracking_regex_times_out_and_counts_as_a_match(tmp_path, pattern, text):
+    """Old: (a|aa)+b over 60 characters costs longer than the age of the universe, on the
+    thread that decodes for every request. Now each search stops at the timeout and the rule
+    counts as matched (fail closed)."""
+    (tmp_path / "a.yaml").write_text(rule("slow", f"'{pattern}'", kind="regex", action="halt",
+                                          extra="    max_span: 100\n"))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.02))
+    before = REGEX_TIMEOUTS.labels("slow")._value.get()
+    matcher = StreamMatcher(pack.output)
+    found = []
+    for i in range(0, len(text), 3):  # token by token, as decoding feeds it
+        found += matcher.feed(text[i : i + 3].encode())
+    found += matcher.finish()
+    assert found and found[0].rule.id == "slow"
+    assert REGEX_TIMEOUTS.labels("slow")._value.get() > before
+
+
+def test_a_regex_that_does_not_time_out_matches_as_before(tmp_path):
+    (tmp_path / "a.yaml").write_text(rule("ok", "'(a|aa)+b'", kind="regex", action="halt",
+                                          extra="    max_span: 100\n"))
+    matcher = StreamMatcher(Pack.load(tmp_path).output)
+    found = matcher.feed(b"xx aaab yy") + matcher.finish()
+    assert [(m.rule.id, m.text) for m in found] == [("ok", "aaab")]
+
+
+# -- through a running server -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pack_file(tight_server, name: str, text: str):
+    path = tight_server.rules / name
+    try:
+        yield apply(tight_server, lambda: path.write_text(text))
+    finally:
+        apply(tight_server, path.unlink)
+
+
+def test_a_backtracking_input_rule_fails_closed_on_a_running_server(tight_server):
+    """Old: the input scan of 40 characters ran (a|aa)+b for hours on the engine."""
+    pack = rule("backtracks", "'(a|aa)+b'", kind="regex", action="block",
+                extra="    scope: input\n    max_span: 200\n")
+
+    async def go():
+        async with ChatStream(tight_server.target) as s:
+            s.send(chat_request("attack", "a" * 40 + "c", max_tokens=4))
+            s.send(chat_request("normal", "Say hello.", max_tokens=2))
+            return await s.until_done("attack", "normal")
+
+    with pack_file(tight_server, "backtracks.yaml", pack) as info:
+        assert info.pack_rejections == 0 or "backtracks" not in info.last_rejection
+        result = asyncio.run(go())
+    attack = result["attack"]
+    assert attack[-1].finished.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER
+    assert any(e.policy_event.rule_id == "backtracks" for e in attack)
+    assert kinds(result["normal"])[-1] == "finished"
+
+
+def test_rejections_keep_the_pack_in_force_and_the_info_reply_small(tight_server):
+    """Old: a rejection reason quoting a 9 MB pattern made the engine's Info reply exceed
+    the message limit; deep YAML killed the watcher, so later edits were never loaded."""
+    version = tight_server.engine_info().policy_version
+    huge = rule("huge", "'(" + "a" * 9_000_000 + "'", kind="regex", extra="    max_span: 10\n")
+    with pack_file(tight_server, "huge.yaml", huge) as info:
+        assert info.policy_version == version
+        assert "FINSIEVE_RULES_MAX_BYTES" in info.last_rejection
+        assert len(info.last_rejection) <= MAX_REASON_CHARS + 100
+    with pack_file(tight_server, "deep.yaml", "rules: " + "[" * 5000 + "]" * 5000) as info:
+        assert info.policy_version == version
+        assert "deep.yaml:1: -: yaml: not valid YAML: nested deeper than 32" in info.last_rejection
+        assert canary_halts(tight_server)
+    with pack_file(tight_server, "later.yaml", rule("later-edit", "'later edit'")) as info:
+        assert info.policy_version != version  # the watcher still watches
