@@ -58,8 +58,10 @@ async def serve(settings: Settings) -> None:
     gateway_side = settings.role in ("all", "gateway")
     key = secretfiles.audit_key(settings) if gateway_side else b""
     keys_secret = secretfiles.keys_secret(settings) if gateway_side else b""
-    # Role all: the engine is in this process, on loopback; a fresh secret each start.
-    engine_secret = (secrets.token_hex(32).encode() if settings.role == "all"
+    # Role all: the engine is in this process, on loopback; a fresh secret each start unless
+    # one is configured (so that an operator can call the engine's Info).
+    engine_secret = (secrets.token_hex(32).encode()
+                     if settings.role == "all" and not settings.engine_secret_file
                      else secretfiles.engine_secret(settings))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -339,6 +339,10 @@ TIGHT_ENV = {
     "FINSIEVE_RULES_DEBOUNCE_MS": "20",
     "FINSIEVE_RULES_MAX_BYTES": "1048576",
     "FINSIEVE_CACHE_TTL_S": "0",  # every request reaches the engine
+    # The fuzzers send hundreds of requests a second: no tenant rate here (test_identity.py
+    # tests tenants' limits).
+    "FINSIEVE_TENANT_REQUESTS_PER_S": "0",
+    "FINSIEVE_TENANT_TOKENS_PER_MIN": "0",
 }
 
 
@@ -366,7 +370,14 @@ class TightServer:
         return engine_pb2_grpc.EngineStub(grpc.insecure_channel(self.engine_target))
 
     def engine_info(self) -> engine_pb2.EngineInfo:
-        return self._engine.Info(engine_pb2.InfoRequest(), timeout=30)
+        """The engine's Info, called as a gateway does: with the engine secret."""
+        secret = self.engine_secret_file.read_text().strip()
+        return self._engine.Info(engine_pb2.InfoRequest(), timeout=30,
+                                 metadata=(("authorization", f"Bearer {secret}"),))
+
+    @property
+    def engine_secret_file(self) -> Path:
+        return self.server.state.parent / "engine.secret"
 
     def metric(self, name: str, **labels: str) -> float:
         """A counter's value from the server's Prometheus endpoint (0 if not yet counted)."""
@@ -390,17 +401,25 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory,
     rules.mkdir()
     (rules / "canary.yaml").write_text(CANARY)
     metrics = free_port()
+    secret = tmp / "engine.secret"  # its engine's secret: tests call the engine as a gateway
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
     srv = start_server(tmp, "--model", str(default_model_dir), "--rules", str(rules),
-                       "--luts", str(tmp / "luts"), "--metrics-port", str(metrics), env=TIGHT_ENV)
+                       "--luts", str(tmp / "luts"), "--metrics-port", str(metrics),
+                       env={**TIGHT_ENV, "FINSIEVE_ENGINE_SECRET_FILE": str(secret)})
     yield TightServer(srv, rules, f"http://127.0.0.1:{metrics}/metrics")
     srv.stop()
 
 
 class RawStream:
-    """A Chat call that sends raw bytes, as a hostile client can."""
+    """A Chat call that sends raw bytes, as a hostile client can (authenticated with the
+    server's development app key unless another key is given)."""
 
-    def __init__(self, target: str, options: list | None = None, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=options)
+    def __init__(self, target: str, options: list | None = None, timeout: float | None = None,
+                 key: str | None = None) -> None:
+        from finsieve.client import Credentials
+
+        self.channel = Credentials(dev_key(target) if key is None else key).channel(target, options)
         self._frames: asyncio.Queue[bytes | None] = asyncio.Queue()
         chat = self.channel.stream_stream("/finsieve.v1.Gateway/Chat", request_serializer=lambda b: b,
                                           response_deserializer=chat_pb2.ChatServerMessage.FromString)

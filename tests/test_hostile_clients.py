@@ -14,13 +14,13 @@ import grpc
 import pytest
 import redis.asyncio as redis
 
-from finsieve.client import chat_request
+from finsieve.client import Credentials, chat_request
 from finsieve.gateway.audit import AuditLog, Filters
 from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import ChatStream, RawStream, free_port, kinds, start_server, text_of, wait_for
+from conftest import ChatStream, RawStream, dev_key, free_port, kinds, start_server, text_of, wait_for
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -31,7 +31,7 @@ SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 4096), ("grpc.http2.bdp_probe", 0
 
 def final_record(audit_target: str, request_id: str) -> dict | None:
     async def query() -> list[dict]:
-        async with grpc.aio.insecure_channel(audit_target) as ch:
+        async with Credentials(dev_key(audit_target, "officer")).channel(audit_target) as ch:
             page = await audit_pb2_grpc.AuditServiceStub(ch).Query(
                 audit_pb2.AuditQuery(request_id=request_id, page_size=100))
         return [json.loads(r.json) for r in page.records]
@@ -144,7 +144,7 @@ def test_a_frame_with_invalid_utf8_is_one_requests_error(tight_server):
 
 def test_requests_in_flight_are_bounded_per_stream_and_per_connection(tight_server):
     async def go():
-        channel = grpc.aio.insecure_channel(tight_server.target)
+        channel = Credentials(dev_key(tight_server.target)).channel(tight_server.target)
         stub = chat_pb2_grpc.GatewayStub(channel)
         queues = [asyncio.Queue(), asyncio.Queue()]
 
@@ -195,7 +195,7 @@ def test_requests_in_flight_are_bounded_per_stream_and_per_connection(tight_serv
 
 def test_concurrent_streams_are_bounded(tight_server):
     async def go():
-        async with grpc.aio.insecure_channel(tight_server.target) as channel:
+        async with Credentials(dev_key(tight_server.target)).channel(tight_server.target) as channel:
             stub = chat_pb2_grpc.GatewayStub(channel)
             idle = asyncio.Event()
 
@@ -352,7 +352,8 @@ def test_engines_that_do_not_answer_are_marked_down_once_and_serialize_nothing(t
     dead = f"127.0.0.1:{free_port()}"  # refuses connections
     engines = [f"127.0.0.1:{silent.getsockname()[1]}", dead, tight_server.engine_target]
     gateway = start_server(tmp_path, "--role", "gateway", *(a for e in engines for a in ("--engine", e)),
-                           env={"FINSIEVE_ENGINE_CONNECT_TIMEOUT_S": "60", "FINSIEVE_CACHE_TTL_S": "0"})
+                           env={"FINSIEVE_ENGINE_CONNECT_TIMEOUT_S": "60", "FINSIEVE_CACHE_TTL_S": "0",
+                                "FINSIEVE_ENGINE_SECRET_FILE": str(tight_server.engine_secret_file)})
     try:
         async def wave(tag: str):
             s = RawStream(gateway.target, timeout=30)
@@ -386,7 +387,7 @@ def test_an_intervention_without_a_rule_id_keeps_its_audit_record(tmp_path):
     valkey.start()
 
     async def go():
-        client = redis.Redis(port=valkey.port)
+        client = redis.Redis(port=valkey.port, password=valkey.password)
         try:
             log = AuditLog(client, b"key")
             await log.append("request", {"request_id": "r1", "finish_reason": "CONTENT_FILTER",
