@@ -20,6 +20,8 @@ written to the JSON after every phase, a table printed at the end:
               empty pack), same levels; start-up until the engine is SERVING
   hf_batch    transformers continuous batching (`generate_batch`), 64 requests
   hf_generate transformers `generate`, static cache + torch.compile, batch 1
+  profile     (only when named) the decode step's kernels by device time at 1 and 64 rows,
+              each weight's matmul alone against the copy bandwidth
 
 Prompts are 128-512 tokens, 256 new tokens, greedy. Each stream sends `--rounds` requests
 one after the other (a closed loop); tokens/s = completion tokens / wall time of the level.
@@ -664,9 +666,72 @@ def phase_tests(args) -> dict:
     return {"returncode": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:]}
 
 
+def phase_profile(args) -> dict:
+    """Where a decode step's device time goes: the compiled step's kernels by time at 1 and 64
+    rows, and each weight's matmul alone as a fraction of the copy bandwidth."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from finsieve.engine.engine import EngineLimits, LLMEngine
+    from finsieve.engine.loader import load_model
+
+    device = torch.device("cuda")
+    engine = LLMEngine(load_model(args.model_dir, Path(args.work), device),
+                       EngineLimits(max_batch=64, max_context=args.max_context,
+                                    default_max_tokens=args.max_tokens), device)
+    m = engine.model
+    out: dict = {"mode": engine.mode, "graph_replay_ms": _graph_replay_ms(engine), "steps": {}}
+    for rows in (1, 64):
+        ids = torch.full((rows,), 1000, device=device)
+        positions = torch.full((rows,), 500, device=device)
+        slots = torch.arange(rows, device=device)
+        for _ in range(3):
+            m.decode(ids, positions, slots)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                m.decode(ids, positions, slots)
+            torch.cuda.synchronize()
+        kernels = [(k.key, getattr(k, "self_device_time_total", 0) / 10 / 1000, k.count // 10)
+                   for k in prof.key_averages()]
+        kernels.sort(key=lambda k: -k[1])
+        total = sum(t for _, t, _ in kernels)
+        out["steps"][rows] = {"kernel_ms": total, "top": [
+            {"kernel": name[:90], "ms": t, "calls": n} for name, t, n in kernels[:14]]}
+        print(f"  {rows} rows: kernels {total:.2f} ms/step", flush=True)
+        for name, t, n in kernels[:14]:
+            print(f"    {t:7.3f} ms {n:4d}x  {name[:90]}", flush=True)
+    layer = m.layers[0]
+    weights = {"wqkv": layer.wqkv, "wo": layer.wo, "w_gate_up": layer.w_gate_up,
+               "w_down": layer.w_down, "lm_head": m.lm_head}
+    device_result = json.loads(Path(args.out).read_text()).get("device", {}) \
+        if Path(args.out).exists() else {}
+    bandwidth = device_result.get("copy_bandwidth_bytes_s")
+    out["matmuls"] = {}
+    for rows in (1, 64):
+        for name, w in weights.items():
+            x = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
+            for _ in range(3):
+                F.linear(x, w)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(50):
+                F.linear(x, w)
+            e.record()
+            e.synchronize()
+            ms = s.elapsed_time(e) / 50
+            rate = w.numel() * w.element_size() / (ms / 1000)
+            out["matmuls"][f"{name}@{rows}"] = {"ms": ms, "bytes_per_s": rate,
+                                                "of_copy": rate / bandwidth if bandwidth else None}
+            print(f"  matmul {name:>9} x {rows:>2} rows: {ms * 1000:7.1f} us, {rate / 1e12:.2f} TB/s"
+                  + (f" ({rate / bandwidth:.0%} of copy)" if bandwidth else ""), flush=True)
+    return out
+
+
 PHASES = {"tests": phase_tests, "device": phase_device, "model": phase_model,
           "inprocess": phase_inprocess, "hf_batch": phase_hf_batch, "serve": phase_serve,
-          "hf_generate": phase_hf_generate}
+          "hf_generate": phase_hf_generate, "profile": phase_profile}
 
 
 # -- driver ------------------------------------------------------------------------------
@@ -761,7 +826,8 @@ def main() -> None:
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "finsieve-bench-gpu"))
     ap.add_argument("--out", default=str(REPO / "bench/results/gpu.json"))
     ap.add_argument("--log-dir", default="")
-    ap.add_argument("--phases", nargs="*", default=list(PHASES))
+    ap.add_argument("--phases", nargs="*", default=[p for p in PHASES if p != "profile"],
+                    help="phases to run (profile: only when named)")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole run")
     ap.add_argument("--levels", type=int, nargs="*")
     ap.add_argument("--rounds", type=int, default=2)
