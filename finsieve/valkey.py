@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import unquote_plus
 
 import redis.asyncio as redis
 
@@ -135,7 +136,15 @@ def _quoted(path: Path) -> str:
     return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-_QUERY_SECRET = re.compile(r"(?i)([?&;](?:password|pass|pwd|auth)=)[^&;]*")
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;]*)=([^&;]*)")
+_SECRET_PARAMS = {"password", "pass", "pwd", "auth"}
+
+
+def _mask_secret_param(m: re.Match[str]) -> str:
+    # By the decoded name: redis-py reads `pass%77ord` as `password`.
+    if unquote_plus(m[2]).strip().lower() in _SECRET_PARAMS:
+        return f"{m[1]}{m[2]}=***"
+    return m[0]
 
 
 def redact(url: str) -> str:
@@ -144,7 +153,7 @@ def redact(url: str) -> str:
     Parsed by hand, not with urllib: a password may hold '#', '@', '/' or '?', which
     urlsplit takes for the end of the user part. Everything before the last '@' of the
     authority is treated as user information; only a user name before ':' is kept."""
-    url = _QUERY_SECRET.sub(r"\1***", url)
+    url = _QUERY_PARAM.sub(_mask_secret_param, url)
     scheme, sep, rest = url.partition("://")
     if not sep or "@" not in rest:
         return url

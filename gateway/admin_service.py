@@ -99,7 +99,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         info = await self.keys.get(request.key_id)
         if info is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"key_id: no key {request.key_id}")
-        if not admin.may_see(info.tenant):
+        # A key that reaches every tenant is revoked only by an admin who does too.
+        if not admin.may_see(info.tenant) or (info.all_tenants and not admin.all_tenants):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, DENIED)
         await record(self.audit, context, "admin", admin, key_event("key_revoked", info))
         return key_info(await self.keys.revoke(request.key_id) or info)

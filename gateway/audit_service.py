@@ -104,6 +104,10 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
 
     async def Verify(self, request: audit_pb2.AuditVerifyRequest,
                      context: grpc.aio.ServicerContext) -> audit_pb2.AuditVerifyResult:
+        # The whole chain, every tenant's records: its counts and index keys are not for an
+        # officer of one tenant.
+        if not caller().all_tenants:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "permission denied")
         if request.until_ms and request.until_ms < request.since_ms:
             await abort_invalid(context, "until_ms", "must not be before since_ms")
         await self._read(context, "audit_verify", "", {"since_ms": request.since_ms,

@@ -91,7 +91,8 @@ class EngineClient:
             async with self._write_lock:
                 await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            self._handlers.pop(request.request_id, None)
+            if self._handlers.pop(request.request_id, None) is None:
+                return  # the stream's end already failed this request: one terminal event only
             raise self._unavailable(f"the stream to it broke ({_status(e)})") from None
 
     async def cancel(self, request_id: str) -> None:
@@ -188,7 +189,11 @@ class EngineClient:
                 log.warning("engine stream lost", engine=self.address, requests=len(lost))
             err = self._unavailable(reason)
             for request_id, handler in lost.items():
-                handler(err.to_event(request_id))
+                try:
+                    handler(err.to_event(request_id))
+                except Exception:  # the others are still failed, and the engine reconnects
+                    log.exception("failing a request of a lost engine stream failed",
+                                  engine=self.address)
         return reason
 
     def _unavailable(self, what: str) -> RequestError:

@@ -76,7 +76,11 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local limit = tonumber(ARGV[1])
 if limit >= 0 and not redis.call('ZSCORE', KEYS[1], ARGV[3])
    and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+if limit < 0 then  -- a renewal: only a lease that is still held (never a closed stream's)
+  redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[3])
+else
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+end
 redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
 return 1
 """
@@ -218,11 +222,12 @@ class Limiter:
         limits = await self.limits(tenant)
         if not limits.concurrent_streams:
             return 0
+        self._streams[stream_id] = tenant  # known first: a stream that ends meanwhile frees it
         if not await self._run(self._lease, [_key(tenant, "streams")],
                                [limits.concurrent_streams, STREAM_LEASE_MS, stream_id], ok=1):
+            self._streams.pop(stream_id, None)
             REFUSED.labels("concurrent_streams").inc()
             return STREAM_RETRY_MS
-        self._streams[stream_id] = tenant
         return 0
 
     async def close_stream(self, stream_id: str) -> None:

@@ -70,6 +70,7 @@ class _InFlight:
     internal_id: str
     engine: EngineClient | None = None  # set once the engine accepted it
     cancelled: bool = False  # a cancel was asked for (sent once the engine has it)
+    done: bool = False  # its terminal event was delivered: anything after it is dropped
 
 
 @dataclass(eq=False)
@@ -117,20 +118,22 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
     ) -> None:
         stream = _Stream(caller(), context.peer(), Outbox(self.bounds.outbox_max_events))
         stream_id = f"{self._instance}:{next(self._stream_count)}"
-        if self.limiter is not None and (
-                wait := await self.limiter.open_stream(stream.caller.tenant, stream_id)):
-            await context.abort_with_status(retry_status(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "the tenant's limit of concurrent streams is reached", wait))
         self._streams.add(stream)
-        reader = asyncio.create_task(self._read(request_iterator, stream))
+        reader: asyncio.Task[None] | None = None
         try:
+            if self.limiter is not None and (
+                    wait := await self.limiter.open_stream(stream.caller.tenant, stream_id)):
+                await context.abort_with_status(retry_status(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "the tenant's limit of concurrent streams is reached", wait))
+            reader = asyncio.create_task(self._read(request_iterator, stream))
             await self._write(stream, context)
         finally:
             # No await here: this also runs when the call was cancelled (client gone, deadline).
             stream.closed = True
             stream.out.close()
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             self._streams.discard(stream)
             if self.limiter is not None:
                 self._in_background(self.limiter.close_stream(stream_id))
@@ -223,13 +226,20 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
     async def _start(self, req: chat_pb2.ChatRequest, stream: _Stream) -> None:
         try:
             self._admit(req, stream)
+        except RequestError as e:
+            stream.out.put(e.to_event(req.request_id))
+            return
+        # The connection's slot is taken before the await, so that its other streams cannot
+        # slip past the bound meanwhile.
+        self._per_peer[stream.peer] = self._per_peer.get(stream.peer, 0) + 1
+        try:
             await self._authorize(stream.caller)
         except RequestError as e:
+            self._release(stream.peer)
             stream.out.put(e.to_event(req.request_id))
             return
         flight = _InFlight(self.engines.new_id())
         stream.in_flight[req.request_id] = flight
-        self._per_peer[stream.peer] = self._per_peer.get(stream.peer, 0) + 1
         # Shielded: if the stream ends meanwhile, the submission still completes (and is then
         # cancelled), so no request is left generating for nobody.
         await asyncio.shield(self._submit(req, stream, flight))
@@ -240,6 +250,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         trace = Trace(req, stream.caller, policy.sensitive if policy else None)
 
         def deliver(event: chat_pb2.ChatServerMessage) -> None:
+            if flight.done:
+                return
             event.request_id = client_id
             if event.HasField("policy_event"):
                 event.policy_event.suppressed = ""  # for the audit trail, never for the client
@@ -247,6 +259,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 event.finished.audit_id = str(trace.audit_id)
             stream.out.put(event)
             if event.WhichOneof("event") in TERMINAL:
+                flight.done = True
                 if stream.in_flight.get(client_id) is flight:
                     del stream.in_flight[client_id]
                 self._release(stream.peer)
@@ -254,6 +267,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 stream.close_if_idle(self.draining)
 
         def relay(event: chat_pb2.ChatServerMessage) -> None:
+            if flight.done:
+                return
             trace.observe(event)
             deliver(event)
             trace.events.append(event)
@@ -303,6 +318,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         tenant's request and token rates."""
         try:
             if self.auth is not None and not await self.auth.still_valid(who):
+                log.warning("request refused: the stream's key was revoked or expired",
+                            key_id=who.key_id, tenant=who.tenant)
                 raise RequestError(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
         except CheckUnavailable:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, CHECK_UNAVAILABLE_MESSAGE) from None
@@ -395,7 +412,7 @@ def _log_outcome(event: chat_pb2.ChatServerMessage, started: float) -> None:
         f = event.finished
         log.info(
             "request finished",
-            finish_reason=chat_pb2.FinishReason.Name(f.finish_reason),
+            finish_reason=f.finish_reason,  # the number: an engine may know newer reasons
             prompt_tokens=f.usage.prompt_tokens,
             completion_tokens=f.usage.completion_tokens,
             seconds=round(time.monotonic() - started, 3),

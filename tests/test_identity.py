@@ -235,7 +235,9 @@ def test_an_officer_reads_its_own_tenant_only(server):
     assert "own-1" in {r.get("request_id") for r in mine}
     other_seq = records(server, request_id="other-1")[0]["seq"]
     for ask in (lambda s: s.Query(audit_pb2.AuditQuery(tenant="default")),
-                lambda s: s.Get(audit_pb2.AuditGetRequest(seq=other_seq))):
+                lambda s: s.Get(audit_pb2.AuditGetRequest(seq=other_seq)),
+                # the whole chain: every tenant's counts and index keys
+                lambda s: s.Verify(audit_pb2.AuditVerifyRequest())):
         assert code_of(lambda ask=ask: audit_call(server, ask, officer)) == DENIED
 
 
@@ -249,6 +251,10 @@ def test_an_admin_acts_on_its_own_tenant_only(server):
     new_key(server, "bank-x", "app", admin, name="teller app")
     listed = admin_call(server, lambda s: s.ListKeys(admin_pb2.ListKeysRequest()), admin).keys
     assert {k.tenant for k in listed} == {"bank-x"} and len(listed) == 2
+    # A key that reaches every tenant, at home in bank-x: only an admin who does too revokes it.
+    _, everywhere = new_key(server, "bank-x", "officer", all_tenants=True)
+    assert code_of(lambda: admin_call(server, lambda s: s.RevokeKey(
+        admin_pb2.RevokeKeyRequest(key_id=everywhere)), admin)) == DENIED
     with pytest.raises(grpc.aio.AioRpcError) as bad:
         new_key(server, "bank-x", "root", admin)
     detail = error_details_pb2.BadRequest()
@@ -527,6 +533,7 @@ def test_start_up_refuses_a_readable_audit_key(tmp_path):
     ("redis://redis:6379/0?password=hunter2&db=1", "hunter2"),
     ("unix:///run/redis.sock?db=0&password=hun#ter2", "hun#ter2"),
     ("redis://onlyatoken@redis:6379", "onlyatoken"),
+    ("redis://redis/0?pass%77ord=hunter2", "hunter2"),  # redis-py decodes the name
 ])
 def test_redis_urls_are_masked_in_every_form(url, secret):
     masked = redact(url)
