@@ -310,7 +310,7 @@ class LLMEngine:
         bans = seq.bans
         if bans is None:  # an optimistic row, masked by the base bans only
             masks = guard.policy.masks
-            if (masks is not None and masks.is_banned(guard.matcher, token)) \
+            if (masks is not None and masks.is_banned(guard.matcher, token, self.token_bytes[token])) \
                     or token in guard.bans.get(len(guard.tokens), ()):
                 self._redo(seq, wasted=1)  # the exact mask bans it: decode this position again
                 return

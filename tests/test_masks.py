@@ -91,6 +91,7 @@ def check_exact(vocab: list[bytes], tables: MaskTables, data: st.DataObject) -> 
     truth = completing(text, [vocab[t] for t in candidates])
     for t, completes in zip(candidates, truth, strict=True):
         assert completes == (t in banned), (text, vocab[t])
+        assert completes == tables.is_banned(m, t, vocab[t]), (text, vocab[t])
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -132,6 +133,7 @@ def test_ban_set_is_exact_at_every_byte_cut_of_every_pattern(request, kind):
                     truth = completing(text, [vocab[t] for t in candidates])
                     for t, completes in zip(candidates, truth, strict=True):
                         assert completes == (t in banned), (text, vocab[t])
+                        assert completes == tables.is_banned(m, t, vocab[t]), (text, vocab[t])
 
 
 _CACHE: dict[int, MaskTables] = {}

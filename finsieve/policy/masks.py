@@ -210,18 +210,41 @@ class MaskTables:
 
     def ban_set_for(self, matcher: StreamMatcher) -> list[int]:
         """The ban set for a matcher's current state (its text, pending bytes, held space)."""
-        norm = matcher.norm
-        keep = self.max_tail
-        tail = "".join(norm.text[-keep:]) if keep else ""
-        tags = bytes(norm.tags[-keep:]) if keep else b""
-        return self.ban_set(tail, norm.pending, norm.mode, tags)
+        tail, tags = self._tail_of(matcher)
+        return self.ban_set(tail, matcher.norm.pending, matcher.norm.mode, tags)
 
-    def is_banned(self, matcher: StreamMatcher, token: int) -> bool:
-        """Is `token` in the exact ban set of the matcher's state? For the engine's check of a
-        token sampled under the base bans, before its exact mask was known."""
-        banned = self.ban_set_for(matcher)
-        i = bisect.bisect_left(banned, token)
-        return i < len(banned) and banned[i] == token
+    def is_banned(self, matcher: StreamMatcher, token: int, data: bytes) -> bool:
+        """Is `token` (its bytes: `data`) in the exact ban set of the matcher's state? For the
+        engine's check of a token sampled under the base bans only: the join of this one
+        token is computed (as for a group's head in ban_set), not the whole ban set, whose
+        continuations can take milliseconds with thousands of patterns."""
+        if not self.patterns.keys:
+            return False
+        i = bisect.bisect_left(self.always_banned, token)
+        if i < len(self.always_banned) and self.always_banned[i] == token:
+            return True
+        tail, tags = self._tail_of(matcher)
+        depth = self.patterns.depth(tail) if tail else 0
+        pending = matcher.norm.pending
+        if not depth and not pending:
+            return False  # the ban set is the always-banned set
+        n = Normalizer()
+        n.feed(_SEED[matcher.norm.mode])
+        before = len(n.text)
+        n.feed(pending + data)
+        live, live_tags = tail[len(tail) - depth :], tags[len(tags) - depth :] if depth else b""
+        return self._completes(live + "".join(n.text[before:]), live_tags + bytes(n.tags[before:]),
+                               len(live))
+
+    def _tail_of(self, matcher: StreamMatcher) -> tuple[str, bytes]:
+        """The last characters of the matcher's normalized text that decide a ban, and their
+        script tags. The mask's patterns are among the matcher's literals, so no more than the
+        matcher's live depth can be live for them: looking no further saves the longest part
+        of the search for a live suffix."""
+        keep = min(self.max_tail, matcher.depth)
+        if not keep:
+            return "", b""
+        return "".join(matcher.norm.text[-keep:]), bytes(matcher.norm.tags[-keep:])
 
     def ban_set(self, tail: str, pending: bytes = b"", mode: str | None = None,
                 tags: bytes | None = None) -> list[int]:
