@@ -349,3 +349,16 @@ def test_rules_scan_cli_finds_split_patterns():
     }
     card = next(f for f in found if f["rule_id"] == "payment-card-number")
     assert text[card["start"] : card["end"]] == "4111 1111 1111 1111"
+
+
+def test_regexes_with_negations_and_han_classes_run_only_when_their_first_characters_arrive():
+    """The phrase families' negations are variable-width lookbehinds and their gaps use
+    \\p{Han}, which Python's parser refuses: such a regex used to be searched after every
+    token of every answer."""
+    from finsieve.policy.first_chars import first_chars
+
+    zh = first_chars(r"(?:(?<!不|无法|没有人能))(?:保证|确保)[\p{Han}\d%]{0,6}?(?:收益|回报)")
+    en = first_chars(r"(?<!\b(?:no|not|never) )\b(?:guaranteed|assured) (?:returns?|profits?)")
+    assert zh is not None and "保" in zh and "确" in zh and "a" not in zh and "不" not in zh
+    assert en is not None and en.word_start and "g" in en and "n" not in en
+    assert first_chars(r"\p{Han}+x") is None  # a property class first: any character

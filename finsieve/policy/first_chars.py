@@ -1,7 +1,10 @@
 """Which characters can begin a regex match: lets the matcher skip regexes that cannot start.
 
-Read off Python's own regex parser. Anything it cannot read (a `regex`-only construct, a
-negated class, `.`) answers None: "any character", and that regex always runs.
+Read off Python's own regex parser. Lookbehinds are zero-width, so they are dropped first
+(Python's parser refuses the variable-width ones that `regex` accepts, and the phrase
+families use them for negations), and `regex`-only property classes read as "any
+character". Anything else it cannot read (another `regex`-only construct, a negated class,
+`.`) answers None: "any character", and that regex always runs.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class FirstChars:
 
 def first_chars(pattern: str) -> FirstChars | None:
     try:
-        parsed = re._parser.parse(pattern, re.IGNORECASE)  # type: ignore[attr-defined]
+        parsed = re._parser.parse(for_python(pattern), re.IGNORECASE)  # type: ignore[attr-defined]
         out = FirstChars()
         if _seq(list(parsed), out):
             raise _Any  # the pattern can match the empty string
@@ -45,7 +48,9 @@ def first_chars(pattern: str) -> FirstChars | None:
         return None
     for ch in list(out.chars):  # the text is case-folded; the pattern may not be
         out.chars |= {ch.lower(), ch.upper(), ch.casefold()}
-    first = parsed[0] if len(parsed) else None
+    # The first element that consumes or asserts something (a dropped lookbehind leaves "(?:)").
+    first = next((item for item in parsed
+                  if not (item[0] is c.SUBPATTERN and not list(item[1][-1]))), None)
     word_chars = (all(ch.isalnum() for ch in out.chars)
                   and all(chr(lo).isalnum() and chr(hi).isalnum() for lo, hi in out.ranges)
                   and all(t is str.isdigit for t in out.tests))
@@ -89,3 +94,54 @@ def _item(op, av, out: FirstChars) -> bool:
     if op is c.ATOMIC_GROUP:
         return _seq(list(av), out)
     raise _Any
+
+
+_PROPERTY = re.compile(r"\\[pP](?:\{[^}]*\}|[A-Za-z])")
+
+
+def for_python(pattern: str) -> str:
+    """The pattern as Python's parser can read it, with the same first characters: every
+    `(?<=…)` and `(?<!…)` group removed (zero-width), and every `regex`-only property class
+    (`\\p{Han}`) made "any character" (escapes and character classes respected)."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    class_from = -1  # inside a character class: where its members begin; else -1
+    while i < n:
+        ch = pattern[i]
+        if class_from < 0 and pattern.startswith(("(?<=", "(?<!"), i):
+            i = _group_end(pattern, i)
+            continue
+        if prop := _PROPERTY.match(pattern, i):
+            out.append(r"\s\S" if class_from >= 0 else r"[\s\S]")
+            i = prop.end()
+            continue
+        step = 2 if ch == "\\" else 1
+        if class_from < 0 and ch == "[":
+            class_from = i + 1 + (pattern.startswith("^", i + 1))
+        elif class_from >= 0 and ch == "]" and i > class_from:
+            class_from = -1
+        out.append(pattern[i : i + step])
+        i += step
+    return "".join(out)
+
+
+def _group_end(pattern: str, i: int) -> int:
+    """Index just after the group that opens at i."""
+    depth = 0
+    class_from = -1
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if class_from < 0 and ch == "[":
+            class_from = i + 1 + (pattern.startswith("^", i + 1))
+        elif class_from >= 0:
+            if ch == "]" and i > class_from:
+                class_from = -1
+        else:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+        i += 1
+        if depth == 0 and class_from < 0:
+            return i
+    raise re.error("unbalanced parenthesis")
