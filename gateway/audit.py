@@ -53,7 +53,7 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'hmac', ARGV[4], 'sig', ARGV[6])
 for i = 2, #KEYS do
-  if i ~= 3 then redis.call('ZADD', KEYS[i], ARGV[5], ARGV[2]) end
+  if i ~= 3 then redis.call('ZADD', KEYS[i], ARGV[5], ARGV[7]) end
 end
 return 1
 """
@@ -235,7 +235,7 @@ class AuditLog:
                 keys = [HEAD, TIME, record_key(seq),
                         *(index_key(f, v) for f, v in index_values(record))]
                 args = [head.hmac, seq, stored(record), record["hmac"], now,
-                        head_sig(self.key, seq, record["hmac"])]
+                        head_sig(self.key, seq, record["hmac"]), index_member(seq)]
                 done, acks = await self._run_append(keys, args)
                 if done == 1:
                     if acks < self.wait_replicas:
@@ -368,11 +368,18 @@ class AuditLog:
             async with self.redis.pipeline(transaction=True) as pipe:
                 for seq, raw in zip(chunk, raws, strict=True):
                     pipe.delete(record_key(seq))
-                    pipe.zrem(TIME, seq)
+                    pipe.zrem(TIME, index_member(seq), seq)
                     for field, value in index_values(parse(raw) or {}):
-                        pipe.zrem(index_key(field, value), seq)
+                        pipe.zrem(index_key(field, value), index_member(seq), seq)
                 await pipe.execute()
         return cut - first
+
+
+def index_member(seq: int) -> str:
+    """A record's member in the indexes: zero-padded, because a sorted set orders the
+    records of one millisecond by member, as strings ("10" before "9"); plain numbers,
+    written before, are still read and checked."""
+    return f"{seq:020d}"
 
 
 def parse(raw: bytes | str | None) -> dict[str, Any] | None:

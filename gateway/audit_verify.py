@@ -29,6 +29,7 @@ from .audit import (
     derive_key,
     head_sig,
     index_key,
+    index_member,
     index_values,
     now_ms,
     parse,
@@ -58,6 +59,9 @@ class Broken(Exception):
 _CHECK_INDEXES = """
 for i = 1, #KEYS do
   local score = redis.pcall('ZSCORE', KEYS[i], ARGV[2 * i - 1])
+  if not score then  -- an entry written before members were zero-padded
+    score = redis.pcall('ZSCORE', KEYS[i], tostring(tonumber(ARGV[2 * i - 1])))
+  end
   if type(score) == 'table' and score.err then return {i, 2} end
   if not score then return {i, 0} end
   if tonumber(score) ~= tonumber(ARGV[2 * i]) then return {i, 1} end
@@ -135,7 +139,8 @@ class _Walk:
         if not expected:
             return
         fault, how = await self._check(keys=[k for k, _, _ in expected],
-                                       args=[v for _, seq, ts in expected for v in (seq, ts)])
+                                       args=[v for _, seq, ts in expected
+                                             for v in (index_member(seq), ts)])
         if fault:
             key, seq, _ = expected[fault - 1]
             raise Broken(seq, (f"record {seq} is missing from the index {_index_name(key)}",
