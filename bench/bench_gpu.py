@@ -221,7 +221,6 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     from finsieve.client import chat_request
     from finsieve.engine.events import LATE_REPAIRS
 
-    [(s, r) for r in range(rounds) for s in range(streams)]
     live: dict[int, tuple[TimingSink, float, int]] = {}
     done: list[dict] = []
     repairs_before = LATE_REPAIRS._value.get()
