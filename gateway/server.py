@@ -234,8 +234,11 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         self._per_peer[stream.peer] = self._per_peer.get(stream.peer, 0) + 1
         try:
             await self._authorize(stream.caller)
-        except RequestError as e:
+        except Exception as e:  # refused, or failed: this request only, and its slot back
             self._release(stream.peer)
+            if not isinstance(e, RequestError):
+                log.exception("authorizing a request failed")
+                e = RequestError(grpc.StatusCode.INTERNAL, "the gateway failed this request")
             stream.out.put(e.to_event(req.request_id))
             return
         flight = _InFlight(self.engines.new_id())
