@@ -415,7 +415,9 @@ def _log_outcome(event: chat_pb2.ChatServerMessage, started: float) -> None:
         f = event.finished
         log.info(
             "request finished",
-            finish_reason=f.finish_reason,  # the number: an engine may know newer reasons
+            # By name; a newer engine's reason unknown here stays a number.
+            finish_reason=(chat_pb2.FinishReason.Name(f.finish_reason)
+                           if f.finish_reason in chat_pb2.FinishReason.values() else f.finish_reason),
             prompt_tokens=f.usage.prompt_tokens,
             completion_tokens=f.usage.completion_tokens,
             seconds=round(time.monotonic() - started, 3),
