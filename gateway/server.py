@@ -234,6 +234,9 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         self._per_peer[stream.peer] = self._per_peer.get(stream.peer, 0) + 1
         try:
             await self._authorize(stream.caller)
+        except asyncio.CancelledError:  # the stream ended meanwhile
+            self._release(stream.peer)
+            raise
         except Exception as e:  # refused, or failed: this request only, and its slot back
             self._release(stream.peer)
             if not isinstance(e, RequestError):
