@@ -223,18 +223,12 @@ class MaskTables:
         i = bisect.bisect_left(self.always_banned, token)
         if i < len(self.always_banned) and self.always_banned[i] == token:
             return True
-        tail, tags = self._tail_of(matcher)
-        depth = self.patterns.depth(tail) if tail else 0
+        live, live_tags = self._live(*self._tail_of(matcher))
         pending = matcher.norm.pending
-        if not depth and not pending:
+        if not live and not pending:
             return False  # the ban set is the always-banned set
-        n = Normalizer()
-        n.feed(_SEED[matcher.norm.mode])
-        before = len(n.text)
-        n.feed(pending + data)
-        live, live_tags = tail[len(tail) - depth :], tags[len(tags) - depth :] if depth else b""
-        return self._completes(live + "".join(n.text[before:]), live_tags + bytes(n.tags[before:]),
-                               len(live))
+        text, tags, _ = _join(live, live_tags, matcher.norm.mode, pending + data)
+        return self._completes(text, tags, len(live))
 
     def _tail_of(self, matcher: StreamMatcher) -> tuple[str, bytes]:
         """The last characters of the matcher's normalized text that decide a ban, and their
@@ -255,8 +249,7 @@ class MaskTables:
         mode = mode or _mode_of(tail)
         if tags is None:
             tags = bytes(script_tag(c) for c in tail)
-        depth = self.patterns.depth(tail) if tail else 0
-        live, live_tags = tail[len(tail) - depth :], tags[len(tags) - depth :] if depth else b""
+        live, live_tags = self._live(tail, tags)
         if not live and not pending:
             return self.always_banned
         key = (live, live_tags, pending, mode)
@@ -280,19 +273,17 @@ class MaskTables:
     def _group_bans(self, live: str, live_tags: bytes, mode: str, head_bytes: bytes,
                     group: _Sorted) -> list[int]:
         """Bans among the tokens that complete the pending character with these bytes."""
-        n = Normalizer()
-        n.feed(_SEED[mode])
-        before = len(n.text)
-        n.feed(head_bytes)
-        text = live + "".join(n.text[before:])
-        tags = live_tags + bytes(n.tags[before:])
+        text, tags, n = _join(live, live_tags, mode, head_bytes)
         if self._completes(text, tags, len(live)):
             return group.ids
         if n.pending:
             return []  # the character stays broken: what follows starts after a U+FFFD
-        depth = self.patterns.depth(text)
-        return self._continuations(text[len(text) - depth :], tags[len(tags) - depth :] if depth else b"",
-                                   n.mode, group, self.tokens.rest_tags)
+        return self._continuations(*self._live(text, tags), n.mode, group, self.tokens.rest_tags)
+
+    def _live(self, text: str, tags: bytes) -> tuple[str, bytes]:
+        """The longest suffix of text that begins a pattern, and its tags."""
+        depth = self.patterns.depth(text) if text else 0
+        return (text[len(text) - depth :], tags[len(tags) - depth :]) if depth else ("", b"")
 
     def _continuations(self, live: str, live_tags: bytes, mode: str, index: _Sorted,
                        token_tags: list[bytes]) -> list[int]:
@@ -334,6 +325,16 @@ class MaskTables:
         scripts = self.patterns.scripts
         return any(end >= start and accepts(scripts[p], tags[end + 1 - len(p) : end + 1])
                    for end, p in automaton.iter(text))
+
+
+def _join(live: str, live_tags: bytes, mode: str, data: bytes) -> tuple[str, bytes, Normalizer]:
+    """`live` and its tags with the normalized characters of `data` joined after text that
+    ends in `mode`; and the normalizer, in the state they leave."""
+    n = Normalizer()
+    n.feed(_SEED[mode])
+    before = len(n.text)
+    n.feed(data)
+    return live + "".join(n.text[before:]), live_tags + bytes(n.tags[before:]), n
 
 
 def _write(path: Path, data: bytes) -> None:
