@@ -10,6 +10,7 @@ character". Anything else it cannot read (another `regex`-only construct, a nega
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from re import _constants as c  # type: ignore[attr-defined]
 
@@ -104,44 +105,32 @@ def for_python(pattern: str) -> str:
     `(?<=…)` and `(?<!…)` group removed (zero-width), and every `regex`-only property class
     (`\\p{Han}`) made "any character" (escapes and character classes respected)."""
     out: list[str] = []
-    i, n = 0, len(pattern)
-    class_from = -1  # inside a character class: where its members begin; else -1
-    while i < n:
-        ch = pattern[i]
-        if class_from < 0 and pattern.startswith(("(?<=", "(?<!"), i):
-            i = _group_end(pattern, i)
+    dropping = 0  # parentheses open in a lookbehind being removed
+    for i, unit, in_class in _units(pattern):
+        if not in_class and unit in ("(", ")") and (
+                dropping or pattern.startswith(("(?<=", "(?<!"), i)):
+            dropping += 1 if unit == "(" else -1
             continue
-        if prop := _PROPERTY.match(pattern, i):
-            out.append(r"\s\S" if class_from >= 0 else r"[\s\S]")
-            i = prop.end()
+        if dropping:
             continue
-        step = 2 if ch == "\\" else 1
-        if class_from < 0 and ch == "[":
-            class_from = i + 1 + (pattern.startswith("^", i + 1))
-        elif class_from >= 0 and ch == "]" and i > class_from:
-            class_from = -1
-        out.append(pattern[i : i + step])
-        i += step
+        if _PROPERTY.fullmatch(unit):
+            unit = r"\s\S" if in_class else r"[\s\S]"
+        out.append(unit)
+    if dropping:
+        raise re.error("unbalanced parenthesis")
     return "".join(out)
 
 
-def _group_end(pattern: str, i: int) -> int:
-    """Index just after the group that opens at i."""
-    depth = 0
-    class_from = -1
+def _units(pattern: str) -> Iterator[tuple[int, str, bool]]:
+    """(index, unit, inside a character class) for each unit of the pattern: an escape (a
+    property class whole) or one character."""
+    i, class_from = 0, -1  # inside a class: where its members begin ("]" first is one)
     while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if class_from < 0 and ch == "[":
-            class_from = i + 1 + (pattern.startswith("^", i + 1))
-        elif class_from >= 0:
-            if ch == "]" and i > class_from:
-                class_from = -1
-        else:
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-        i += 1
-        if depth == 0 and class_from < 0:
-            return i
-    raise re.error("unbalanced parenthesis")
+        prop = _PROPERTY.match(pattern, i)
+        unit = prop[0] if prop else pattern[i : i + 2] if pattern[i] == "\\" else pattern[i]
+        if class_from < 0 and unit == "[":
+            class_from = i + 1 + pattern.startswith("^", i + 1)
+        elif class_from >= 0 and unit == "]" and i > class_from:
+            class_from = -1
+        yield i, unit, class_from >= 0
+        i += len(unit)
