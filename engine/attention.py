@@ -4,10 +4,16 @@ The cache of one layer is (slots, kv_heads, positions, head_dim); a row's keys a
 `length` positions of its slot. Rolling a sequence back is setting its length, so every
 kernel here reads each row's own length and nothing past it.
 
+Decode takes the step's new keys and values with the queries, like flash-attn's
+`flash_attn_with_kvcache(k=, v=)`: it writes them at position `length - 1` of each row's
+slot and attends over the first `length` positions.
+
 Decode, on CUDA: a Triton flash-decoding kernel. Each row's positions are cut into splits
 of a fixed `split_len` (fixed per cache, never per batch); one program per (row, kv head,
 split) computes a partial softmax for the whole group of query heads sharing that kv head,
-and a second kernel merges the splits. The work of a row depends only on its own length,
+and a second kernel merges the splits. The program whose split holds the new position
+stores the new key and value there and uses them from registers, so the cache write costs
+no kernel of its own (two index kernels per layer did before: 4% of a batch-1 step). The work of a row depends only on its own length,
 so a row's result never depends on the rest of the batch, and the grid is static, so the
 kernels are captured in the decode step's CUDA graph. flash-attn's
 `flash_attn_with_kvcache` would do the same job; it is not used because it is not
@@ -39,12 +45,23 @@ def split_len_for(max_len: int) -> int:
     return max(256, triton.next_power_of_2(-(-max_len // 32))) if triton else max_len
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                     lengths: Tensor, split_len: int) -> Tensor:
-    """q (rows, heads, head_dim); lengths: positions each row attends, its new token included.
-    split_len 0: the per-row SDPA path (the CPU's, and CUDA's fallback if Triton fails)."""
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     slots: Tensor, lengths: Tensor, split_len: int) -> Tensor:
+    """q (rows, heads, head_dim), k and v (rows, kv_heads, head_dim): the new token's, written
+    at position lengths - 1 of each row's slot; lengths: positions each row attends, its new
+    token included. split_len 0: the per-row SDPA path (the CPU's, and CUDA's fallback if
+    Triton fails)."""
     if q.is_cuda and split_len:
-        return _triton_decode(q, k_cache, v_cache, slots, lengths, split_len)
+        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len)
+    positions = lengths - 1
+    k_cache[slots, :, positions] = k
+    v_cache[slots, :, positions] = v
+    return _attend_each(q, k_cache, v_cache, slots, lengths)
+
+
+def _attend_each(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                 lengths: Tensor) -> Tensor:
+    """One SDPA per row over exactly its own length (the batch-invariant path)."""
     out = torch.empty_like(q)
     for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist(), strict=True)):
         out[row] = F.scaled_dot_product_attention(
@@ -84,18 +101,18 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     return out
 
 
-def _triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
-                   split_len: int) -> Tensor:
+def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slots: Tensor, lengths: Tensor, split_len: int) -> Tensor:
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     n_splits = -(-k_cache.shape[2] // split_len)
-    q = q.contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(rows, kv_heads, n_splits)](
-        q, k_cache, v_cache, slots, lengths, partial, lse,
-        q.stride(0), q.stride(1),
+        q, k, v, k_cache, v_cache, slots, lengths, partial, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2),
@@ -120,8 +137,8 @@ def _triton_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, l
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Slots, Lengths, Partial, Lse,
-                      sq_row, sq_head,
+    def _split_kernel(Q, Knew, Vnew, K, V, Slots, Lengths, Partial, Lse,
+                      sq_row, sq_head, skn_row, skn_head, svn_row, svn_head,
                       sk_slot, sk_head, sk_pos,
                       sv_slot, sv_head, sv_pos,
                       sp_row, sp_head, sp_split,
@@ -145,6 +162,14 @@ if triton is not None:
                     mask=in_group[:, None], other=0.0)
         k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
         v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
+        # The new token (position length - 1): from the inputs, and stored by the one
+        # program whose split holds it.
+        last = length - 1
+        k_new = tl.load(Knew + row * skn_row + kv_head * skn_head + d)
+        v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
+        if (start <= last) & (last < start + SPLIT_LEN):
+            tl.store(k_base + last * sk_pos + d, k_new)
+            tl.store(v_base + last * sv_pos + d, v_new)
 
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
@@ -152,14 +177,18 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=valid[:, None], other=0.0)
+            cached = valid & (n != last)
+            is_new = (n == last)[:, None]
+            k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None], other=0.0)
+            k = tl.where(is_new, k_new[None, :], k)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=cached[:, None], other=0.0)
+            v = tl.where(is_new, v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
 

@@ -274,6 +274,7 @@ class LLMEngine:
         except Exception as e:
             self._step_failed(e, flight.seqs, out)
             return
+        accepted = self._counts[1]
         for seq, (token, first) in zip(flight.seqs, results, strict=True):
             if seq.status is not Status.RUNNING:
                 continue  # cancelled or finished while this step ran
@@ -286,6 +287,7 @@ class LLMEngine:
             except Exception:
                 log.exception("request failed in the engine", request_id=seq.request_id)
                 self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
+        TOKENS.inc(self._counts[1] - accepted)  # once per step: a metric per token costs
 
     def _step_failed(self, error: Exception, seqs: list[Sequence], out: Outbox) -> None:
         if not self.runner.healthy():
@@ -335,7 +337,6 @@ class LLMEngine:
             self._roll_back(seq, decision, out)
             return
         seq.append(token, eos)
-        TOKENS.inc()
         self._counts[1] += 1
         if not seq.done and seq.context_len >= self.max_context:
             seq.finish_reason = Finish.LENGTH

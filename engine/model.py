@@ -122,9 +122,8 @@ class CompactLM:
         lengths = positions + 1
         for i, layer in enumerate(self.layers):
             x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv, positions)
-            self.cache.k[i][slots, :, positions] = k
-            self.cache.v[i][slots, :, positions] = v
-            attn = decode_attention(q, self.cache.k[i], self.cache.v[i], slots, lengths, self.split_len)
+            attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
+                                    self.split_len)
             x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                         layer.w_gate_up, layer.w_down)
         return self._head(x + delta, self._tiled_linear if self.row_tile else F.linear)

@@ -70,20 +70,28 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_triton_decode_attention_matches_sdpa():
+    """The kernel writes each row's new key and value at its last position, and nowhere else,
+    and attends like SDPA over exactly the row's length."""
     from finsieve.engine.attention import _triton_decode, decode_attention, split_len_for
 
     torch.manual_seed(0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for heads, kv_heads, dim in ((9, 3, 64), (28, 4, 128)):
-            k = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
-            v = torch.randn_like(k)
+            k_cache = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
+            v_cache = torch.randn_like(k_cache)
             q = torch.randn(5, heads, dim, device="cuda", dtype=dtype)
+            # v as the forward hands it over: a strided view of a wider row
+            k = torch.randn(5, kv_heads, dim, device="cuda", dtype=dtype)
+            v = torch.randn(5, 2 * kv_heads * dim, device="cuda", dtype=dtype)[:, :kv_heads * dim]
+            v = v.view(5, kv_heads, dim)
             slots = torch.tensor([3, 0, 5, 1, 2], device="cuda")
             lengths = torch.tensor([1, 255, 1024, 257, 700], device="cuda")
-            out = _triton_decode(q, k, v, slots, lengths, split_len_for(1024))
-            ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), slots.cpu(),
-                                   lengths.cpu(), 0)
+            ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
+            ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k, ref_v,
+                                   slots.cpu(), lengths.cpu(), 0)
+            out = _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len_for(1024))
             assert _relative_error(out.cpu(), ref) < tolerance, (dtype, heads)
+            assert torch.equal(k_cache.float().cpu(), ref_k) and torch.equal(v_cache.float().cpu(), ref_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,6 +34,7 @@ import gzip
 import hashlib
 import json
 from collections import OrderedDict
+from functools import lru_cache
 from pathlib import Path
 
 from .matcher import StreamMatcher
@@ -176,6 +177,9 @@ class MaskTables:
         self.always_banned = sorted(always_banned)
         self._cache: OrderedDict[tuple[str, bytes, bytes, str], list[int]] = OrderedDict()
         self._cache_size = cache_size
+        # One token after a live suffix: the engine asks this for most sampled tokens, and
+        # the same (suffix, token) pairs come back again and again.
+        self._completed_by = lru_cache(maxsize=1 << 16)(self._joined_completes)
 
     @classmethod
     def load_or_build(cls, tokens: TokenTable, patterns: list[str], policy_version: str,
@@ -227,7 +231,10 @@ class MaskTables:
         pending = matcher.norm.pending
         if not live and not pending:
             return False  # the ban set is the always-banned set
-        text, tags, _ = _join(live, live_tags, matcher.norm.mode, pending + data)
+        return self._completed_by(live, live_tags, matcher.norm.mode, pending + data)
+
+    def _joined_completes(self, live: str, live_tags: bytes, mode: str, data: bytes) -> bool:
+        text, tags, _ = _join(live, live_tags, mode, data)
         return self._completes(text, tags, len(live))
 
     def _tail_of(self, matcher: StreamMatcher) -> tuple[str, bytes]:

@@ -60,7 +60,7 @@ class StreamMatcher:
         self.raw = bytearray()
         self.matches: list[Match] = []
         self.depth = 0  # length of the longest live literal suffix
-        self._tail = ""  # the last characters of the normalized text, for literal depth
+        self._tail = ""  # the live suffix of the normalized text: its last `depth` characters
         self._window = ""  # … and enough of them for every regex (see _regexes)
         self._window_len = rules.max_regex_span + 16
         # Regex index -> where its earliest match still in the making starts. A regex that
@@ -136,8 +136,7 @@ class StreamMatcher:
         del self.matches[cp.n_matches :]
         self.depth = cp.depth
         self._in_making = dict(cp.in_making)
-        keep = max(self.rules.literals.max_len - 1, 0)
-        self._tail = "".join(self.norm.text[-keep:]) if keep else ""
+        self._tail = "".join(self.norm.text[len(self.norm.text) - self.depth :]) if self.depth else ""
         self._window = "".join(self.norm.text[-self._window_len :])
 
     def render(self, start: int, end: int) -> str:
@@ -158,15 +157,17 @@ class StreamMatcher:
         automaton = self.rules.literals.automaton
         if automaton is None:
             return
-        # A match that ends in the new text begins at most max_len - 1 characters before
-        # it, in the tail. Each feed scans tail + new with a fresh iterator: pyahocorasick's
-        # `iter.set()` frees memory it does not own when the strings fed to one iterator
-        # differ in width (an emoji, then ASCII), which crashed the engine for everyone.
-        text = self._tail + new
+        # A match that ends in the new text and begins before it begins with a live suffix
+        # of the text before it: no longer than `depth`. Each feed scans that suffix + new
+        # with a fresh iterator: pyahocorasick's `iter.set()` frees memory it does not own
+        # when the strings fed to one iterator differ in width (an emoji, then ASCII), which
+        # crashed the engine for everyone.
+        live = self._tail[len(self._tail) - self.depth :] if self.depth else ""
+        text = live + new
         base = len(self.norm.text) - len(text)
         scripts = self.rules.literals.scripts
         for end, (pattern, owners) in automaton.iter(text):
-            if end < len(self._tail):
+            if end < len(live):
                 continue  # ended in the tail: reported when that text was fed
             end_excl = base + end + 1
             start = end_excl - len(pattern)
@@ -174,9 +175,8 @@ class StreamMatcher:
                 continue  # genuinely foreign text that happens to look like the pattern
             for rule in owners:
                 found.append(self._match(rule, start, end_excl))
-        keep = self.rules.literals.max_len - 1
-        self._tail = (self._tail + new)[-keep:] if keep > 0 else ""
-        self.depth = self.rules.literals.depth(self._tail, self.depth + len(new))
+        self.depth = self.rules.literals.depth(text)
+        self._tail = text[len(text) - self.depth :] if self.depth else ""
 
     # -- regexes ------------------------------------------------------------------------
 
@@ -189,11 +189,8 @@ class StreamMatcher:
         # the new characters, can change; a new match can only begin in the new text.
         active = dict(self._in_making)
         prev = self._window[-len(new) - 1] if len(self._window) > len(new) else " "
-        for ch in new:
-            word_start = not (prev.isalnum() or prev == "_")
-            for i in self.rules.regexes_starting_with(ch, word_start):
-                active.setdefault(i, before)
-            prev = ch
+        for i in self.rules.regexes_starting_in(new, prev.isalnum() or prev == "_"):
+            active.setdefault(i, before)
         self._in_making = {}
         if not active:
             return

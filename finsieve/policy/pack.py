@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import ahocorasick
@@ -45,6 +46,9 @@ class Literals:
             a for a, b in itertools.pairwise(self.keys) if b.startswith(a)
         )
         self.max_len = max((len(p) for p in self.keys), default=0)
+        # Per token, the matcher and the mask ask for the live depth of a short suffix; the
+        # same suffixes come back again and again, so answers are kept (bounded; thread-safe).
+        self._suffix_depth = lru_cache(maxsize=1 << 16)(self._longest_live_suffix)
 
     def is_live(self, s: str) -> bool:
         """Is s a proper prefix of some pattern (so a match may still grow from it)?"""
@@ -54,7 +58,10 @@ class Literals:
     def depth(self, text: str, longest: int | None = None) -> int:
         """Length of the longest suffix of text (at most `longest`) that is live."""
         top = min(len(text), self.max_len - 1 if longest is None else longest)
-        for length in range(top, 0, -1):
+        return self._suffix_depth(text[len(text) - top :]) if top > 0 else 0
+
+    def _longest_live_suffix(self, text: str) -> int:
+        for length in range(len(text), 0, -1):
             if self.is_live(text[-length:]):
                 return length
         return 0
@@ -78,17 +85,28 @@ class RuleSet:
         ]
         self.max_regex_span = max((r.max_span for r in self.regexes), default=0)
         self._first = [first_chars(r.pattern.pattern) for r in self.regexes]
-        self._by_char: dict[tuple[str, bool], tuple[int, ...]] = {}  # memo
+        # A token's characters come back again and again: answers are kept (bounded).
+        self._by_char = lru_cache(maxsize=1 << 16)(self._starting_with)
+        self._by_token = lru_cache(maxsize=1 << 16)(self._starting_in)
 
-    def regexes_starting_with(self, ch: str, word_start: bool) -> tuple[int, ...]:
-        """Indexes of the regexes whose match can begin with this (normalized) character,
-        where it does or does not begin a word."""
-        hit = self._by_char.get((ch, word_start))
-        if hit is None:
-            hit = tuple(i for i, f in enumerate(self._first)
-                        if f is None or (ch in f and (word_start or not f.word_start)))
-            self._by_char[ch, word_start] = hit
-        return hit
+    def regexes_starting_in(self, new: str, after_word: bool) -> tuple[int, ...]:
+        """Indexes of the regexes whose match can begin with one of the (normalized)
+        characters `new`; `after_word`: the character before them is part of a word."""
+        if len(new) > 16:  # a whole text (input rules): not worth keeping
+            return self._starting_in(new, after_word)
+        return self._by_token(new, after_word)
+
+    def _starting_in(self, new: str, after_word: bool) -> tuple[int, ...]:
+        found: set[int] = set()
+        word_start = not after_word
+        for ch in new:
+            found.update(self._by_char(ch, word_start))
+            word_start = not _is_word(ch)
+        return tuple(sorted(found))
+
+    def _starting_with(self, ch: str, word_start: bool) -> tuple[int, ...]:
+        return tuple(i for i, f in enumerate(self._first)
+                     if f is None or (ch in f and (word_start or not f.word_start)))
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -116,6 +134,10 @@ class Pack:
 
     def rule(self, rule_id: str) -> Rule | None:
         return next((r for r in self.rules if r.id == rule_id), None)
+
+
+def _is_word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
 
 
 def _version(rules: list[Rule]) -> str:
