@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import multiprocessing as mp
@@ -711,21 +712,84 @@ def phase_profile(args) -> dict:
     for rows in (1, 64):
         for name, w in weights.items():
             x = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
-            for _ in range(3):
-                F.linear(x, w)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(50):
-                F.linear(x, w)
-            e.record()
-            e.synchronize()
-            ms = s.elapsed_time(e) / 50
+            ms = _graph_ms(lambda x=x, w=w: F.linear(x, w))
             rate = w.numel() * w.element_size() / (ms / 1000)
             out["matmuls"][f"{name}@{rows}"] = {"ms": ms, "bytes_per_s": rate,
                                                 "of_copy": rate / bandwidth if bandwidth else None}
             print(f"  matmul {name:>9} x {rows:>2} rows: {ms * 1000:7.1f} us, {rate / 1e12:.2f} TB/s"
                   + (f" ({rate / bandwidth:.0%} of copy)" if bandwidth else ""), flush=True)
+    out["attention"] = _attention_configs(m, bandwidth)
     return out
+
+
+def _graph_ms(fn, reps: int = 28) -> float:
+    """Device time of one call of fn, from a CUDA graph of `reps` calls (no launch overhead)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 10 / reps
+
+
+def _attention_configs(m, bandwidth: float | None) -> dict:
+    """The decode attention kernel's tile and split choices, timed at 1, 64 and 128 rows over
+    one layer's cache (lengths 128-768): microseconds per layer and share of the copy rate."""
+    import torch
+
+    from finsieve.engine import attention
+
+    cache_k, cache_v = m.cache.k[0], m.cache.v[0]
+    rows_max = min(128, cache_k.shape[0] - 1)
+    heads, kv_heads, dim = m.n_heads, m.n_kv_heads, m.head_dim
+    results: dict = {}
+    for rows in sorted({1, min(64, rows_max), rows_max}):
+        lengths = torch.tensor([500] if rows == 1 else [128 + (i * 37) % 641 for i in range(rows)],
+                               device=cache_k.device)
+        slots = torch.arange(rows, device=cache_k.device)
+        q = torch.randn(rows, heads, dim, device=cache_k.device, dtype=cache_k.dtype)
+        k = torch.randn(rows, kv_heads, dim, device=cache_k.device, dtype=cache_k.dtype)
+        v = torch.randn_like(k)
+        kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * cache_k.element_size()
+        timings = []
+        for split_len, block_n, warps, stages in itertools.product(
+                (64, 128, 256), (32, 64, 128), (2, 4), (2, 3)):
+            if block_n > split_len:
+                continue
+            try:
+                call = functools.partial(attention._triton_decode, q, k, v, cache_k, cache_v, slots,
+                                         lengths, split_len, block_n, warps, stages)
+                us = 1000 * _graph_ms(call)
+            except Exception as e:  # a tile the compiler refuses: skip it
+                print(f"  attention {split_len}/{block_n}/{warps}/{stages}: {e!r:.120}", flush=True)
+                continue
+            timings.append({"split_len": split_len, "block_n": block_n, "warps": warps,
+                            "stages": stages, "us": us,
+                            "of_copy": kv_bytes / (us / 1e6) / bandwidth if bandwidth else None})
+        timings.sort(key=lambda t: t["us"])
+        current = next((t for t in timings if (t["split_len"], t["block_n"], t["warps"], t["stages"])
+                        == (m.split_len, attention.BLOCK_N, attention.WARPS, attention.STAGES)), None)
+        results[rows] = {"best": timings[:5], "current": current}
+        for label, t in [("current", current), *(("best", t) for t in timings[:3])]:
+            if t:
+                print(f"  attention x {rows:>3} rows {label:>7}: split {t['split_len']:>3} block "
+                      f"{t['block_n']:>3} warps {t['warps']} stages {t['stages']}: {t['us']:6.1f} us"
+                      + (f" ({t['of_copy']:.0%} of copy)" if t["of_copy"] else ""), flush=True)
+    return results
 
 
 PHASES = {"tests": phase_tests, "device": phase_device, "model": phase_model,

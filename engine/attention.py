@@ -13,11 +13,12 @@ of a fixed `split_len` (fixed per cache, never per batch); one program per (row,
 split) computes a partial softmax for the whole group of query heads sharing that kv head,
 and a second kernel merges the splits. The program whose split holds the new position
 stores the new key and value there and uses them from registers, so the cache write costs
-no kernel of its own (two index kernels per layer did before: 4% of a batch-1 step). The work of a row depends only on its own length,
-so a row's result never depends on the rest of the batch, and the grid is static, so the
-kernels are captured in the decode step's CUDA graph. flash-attn's
-`flash_attn_with_kvcache` would do the same job; it is not used because it is not
-installable on every target (no wheel for this torch), and this kernel reads the same bytes.
+no kernel of its own (two index kernels per layer did before: 4% of a batch-1 step). The
+work of a row depends only on its own length, so a row's result never depends on the rest
+of the batch, and the grid is static, so the kernels are captured in the decode step's CUDA
+graph. flash-attn's `flash_attn_with_kvcache` would do the same job; it is not used because
+it is not installable on every target (no wheel for this torch), and this kernel reads the
+same bytes.
 
 Decode, on the CPU: one SDPA per row over exactly its own length, in the order the
 batch-invariant path has always used.
@@ -37,12 +38,16 @@ try:
 except ImportError:  # the CPU build of torch ships no Triton
     triton = None
 
-BLOCK_N = 64
+# The split kernel's tile: positions per iteration, warps, pipeline stages
+# (`bench_gpu.py --phases profile` times the alternatives on the device).
+BLOCK_N, WARPS, STAGES = 64, 4, 2
 
 
 def split_len_for(max_len: int) -> int:
-    """Positions per split: at most 32 splits per row, at least 256 positions per split."""
-    return max(256, triton.next_power_of_2(-(-max_len // 32))) if triton else max_len
+    """Positions per split: at most 32 splits per row, at least 128 positions per split.
+    (On an H200, 1 row of 500 positions: 11.3 us per layer with 256, 6.0 with 64; 64 rows:
+    35 us with 256 or 128. It must not depend on the batch, or a row's result would.)"""
+    return max(128, triton.next_power_of_2(-(-max_len // 32))) if triton else max_len
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -102,7 +107,8 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   slots: Tensor, lengths: Tensor, split_len: int) -> Tensor:
+                   slots: Tensor, lengths: Tensor, split_len: int, block_n: int = BLOCK_N,
+                   warps: int = WARPS, stages: int = STAGES) -> Tensor:
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -119,9 +125,9 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         lse.stride(0), lse.stride(1),
         dim ** -0.5,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        BLOCK_N=BLOCK_N, SPLIT_LEN=split_len,
+        BLOCK_N=block_n, SPLIT_LEN=split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     out = torch.empty_like(q)
     _merge_kernel[(rows, heads)](
