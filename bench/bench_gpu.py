@@ -547,12 +547,16 @@ def phase_serve(args) -> dict:
                 if time_left(args) < 45:
                     result["skipped"] = f"levels from {n} streams rules {name}: no time left"
                     break
+                spy = _py_spy(engine.pid, f"engine-{n}-{name}", args)
                 try:
                     row = grpc_level(target, key, texts, n, args.rounds, args.max_tokens,
                                      args.client_procs, timeout=time_left(args) - 25)
                 except Exception as e:
                     row = {"error": repr(e)[:300], "tokens_per_s": 0, "ttft_p50_ms": 0,
                            "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0}
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
+                    spy.wait(30)
                 row.update(streams=n, rules=name)
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
@@ -572,6 +576,17 @@ def phase_serve(args) -> dict:
         result["engine_log_tail"] = (work / "engine.log").read_text(errors="replace")[-1500:]
         _save_logs(logs, args)
     return result
+
+
+def _py_spy(pid: int, name: str, args) -> subprocess.Popen | None:
+    """With --py-spy: sample a process's Python stacks (collapsed, one file per level) into
+    the log directory, so a level's CPU time can be read by function."""
+    if not (args.py_spy and args.log_dir and shutil.which("py-spy")):
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format",
+                             "raw", "--nonblocking", "--threads", "--output",
+                             str(Path(args.log_dir) / f"py-spy-{name}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _save_logs(logs: list[Path], args) -> None:
@@ -899,6 +914,8 @@ def main() -> None:
     ap.add_argument("--gateways", type=int, default=4)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--tests-timeout", type=float, default=150)
+    ap.add_argument("--py-spy", action="store_true",
+                    help="serve: sample the engine process with py-spy at each level (into --log-dir)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--until", type=float, default=0.0, help=argparse.SUPPRESS)

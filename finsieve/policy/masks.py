@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from .matcher import StreamMatcher
-from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk
+from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk, plain_join
 from .pack import Literals
 from .scripts import ALNUM, accepts, script_tag
 
@@ -234,7 +234,11 @@ class MaskTables:
         return self._completed_by(live, live_tags, matcher.norm.mode, pending + data)
 
     def _joined_completes(self, live: str, live_tags: bytes, mode: str, data: bytes) -> bool:
-        text, tags, _ = _join(live, live_tags, mode, data)
+        plain = plain_join(data, mode)
+        if plain is not None:
+            text, tags = live + plain[0], live_tags + plain[1]
+        else:
+            text, tags, _ = _join(live, live_tags, mode, data)
         return self._completes(text, tags, len(live))
 
     def _tail_of(self, matcher: StreamMatcher) -> tuple[str, bytes]:

@@ -51,6 +51,16 @@ _CJK = regex.compile(r"[\p{scx=Han}\p{scx=Hiragana}\p{scx=Katakana}\p{scx=Bopomo
 PLAIN, SPACE, CJK, CJK_SPACE = "plain", "space", "cjk", "cjk+space"
 
 
+def plain_join(data: bytes, mode: str) -> tuple[str, bytes] | None:
+    """The normalized characters and script tags `data` adds after text ending in `mode`,
+    when that is its lower case (most tokens: printable ASCII, no run of spaces); else None."""
+    # After a space or CJK a leading space joins a run or may vanish; after a held space
+    # (CJK_SPACE) anything may decide its fate.
+    if mode == CJK_SPACE or not _PLAIN_ASCII.fullmatch(data) or (mode != PLAIN and data[0] == 0x20):
+        return None
+    return data.decode().lower(), data.translate(_ASCII_TAGS)
+
+
 @lru_cache(maxsize=65536)
 def is_cjk(ch: str) -> bool:
     return _CJK.match(ch) is not None
@@ -135,17 +145,16 @@ class Normalizer:
         """Feed raw bytes; return the normalized characters they appended."""
         before = len(self.text)
         self.raw_len += len(data)
-        if (self.raw_len - len(data) == self.decoded_len and self.space is None
-                and _PLAIN_ASCII.fullmatch(data)
-                and not (data[0] == 0x20 and self.text and self.mode != PLAIN)):
+        plain = plain_join(data, self.mode) if self.raw_len - len(data) == self.decoded_len else None
+        if plain is not None:
             # Most tokens: one byte per character, nothing to fold but case.
+            new, tags = plain
             d = self.decoded_len
             self.decoded_len += len(data)
-            new = data.decode().lower()
             self.text.extend(new)
             self.raw_start.extend(range(d, self.decoded_len))
             self.raw_end.extend(range(d + 1, self.decoded_len + 1))
-            self.tags += data.translate(_ASCII_TAGS)
+            self.tags += tags
             return new
         chars = self._decoder.decode(data)
         for ch, size in zip(chars, self._raw_sizes(chars), strict=True):
