@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -557,6 +558,7 @@ def phase_serve(args) -> dict:
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
                     spy.wait(30)
+                    row["py_spy"] = _py_spy_summary(Path(args.log_dir) / f"py-spy-engine-{n}-{name}.txt")
                 row.update(streams=n, rules=name)
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
@@ -587,6 +589,32 @@ def _py_spy(pid: int, name: str, args) -> subprocess.Popen | None:
                              "raw", "--nonblocking", "--threads", "--output",
                              str(Path(args.log_dir) / f"py-spy-{name}.txt")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _py_spy_summary(path: Path, top: int = 30) -> dict:
+    """Shares of the samples per thread, per innermost function and per function anywhere on
+    the stack (the raw file is removed: one level's samples are megabytes)."""
+    if not path.exists():
+        return {"error": "py-spy wrote nothing (is ptrace allowed here?)"}
+    threads, leaf, anywhere = Counter(), Counter(), Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        threads[frames[0]] += n
+        leaf[frames[-1]] += n
+        for frame in set(frames[1:]):
+            anywhere[frame] += n
+    path.unlink()
+
+    def shares(c: Counter) -> list[tuple[str, float]]:
+        return [(k[:140], round(v / total, 4)) for k, v in c.most_common(top)]
+
+    return {"samples": total, "threads": shares(threads), "leaf": shares(leaf),
+            "anywhere": shares(anywhere)} if total else {"samples": 0}
 
 
 def _save_logs(logs: list[Path], args) -> None:
