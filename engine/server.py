@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from finsieve.errors import RequestError, error_event
+from finsieve.errors import RequestError, error_event, invalid
 from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
@@ -25,6 +26,16 @@ log = structlog.get_logger(__name__)
 
 # How soon an idle stream tells its gateway that the rules were reloaded.
 STATUS_POLL_S = 0.2
+# Requests of one gateway stream being prepared at once; the stream's next frames wait.
+MAX_PREPARING = 64
+
+
+@dataclass
+class _Preparing:
+    """A request between its frame and its submission to the engine."""
+
+    task: asyncio.Task = field(init=False)
+    cancelled: bool = False  # its cancel came first: applied once it is submitted
 
 
 class StreamSink:
@@ -69,30 +80,61 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self.engine.cancel(sink)  # the gateway is gone: free all of its sequences
 
     async def _read(self, frames: AsyncIterator[bytes], sink: StreamSink) -> None:
+        """Requests are prepared concurrently (tokenizing and the input rules take
+        milliseconds; one after another, a burst on one gateway stream waited for each in
+        turn), at most MAX_PREPARING at once per stream; frames are read in order, so a
+        cancel that overtakes the preparation of its request is applied right after it."""
+        preparing: dict[str, _Preparing] = {}
+        room = asyncio.Semaphore(MAX_PREPARING)
+        try:
+            async for frame in frames:
+                try:
+                    msg = chat_pb2.ChatClientMessage.FromString(frame)
+                except DecodeError as e:
+                    _refuse_bad_frame(frame, sink, e)
+                    continue
+                kind = msg.WhichOneof("msg")
+                if kind == "cancel":
+                    if (pending := preparing.get(msg.cancel.request_id)) is not None:
+                        pending.cancelled = True
+                    self.engine.cancel(sink, msg.cancel.request_id)
+                elif kind == "request":
+                    request_id = msg.request.request_id
+                    if request_id in preparing:
+                        sink.deliver([invalid("request_id", "a request with this id is in flight")
+                                      .to_event(request_id)])
+                        continue
+                    await room.acquire()
+                    pending = preparing[request_id] = _Preparing()
+                    pending.task = asyncio.create_task(self._prepare(msg.request, sink, pending))
+
+                    def prepared(_: asyncio.Task, request_id: str = request_id) -> None:
+                        del preparing[request_id]
+                        room.release()
+
+                    pending.task.add_done_callback(prepared)
+        finally:
+            for pending in list(preparing.values()):  # the stream is gone: submit nothing more
+                pending.task.cancel()
+
+    async def _prepare(self, request: chat_pb2.ChatRequest, sink: StreamSink,
+                       pending: _Preparing) -> None:
         loop = asyncio.get_running_loop()
-        # One message at a time, so a cancel is never overtaken by the request it cancels.
-        async for frame in frames:
-            try:
-                msg = chat_pb2.ChatClientMessage.FromString(frame)
-            except DecodeError as e:
-                _refuse_bad_frame(frame, sink, e)
-                continue
-            if msg.WhichOneof("msg") == "cancel":
-                self.engine.cancel(sink, msg.cancel.request_id)
-                continue
-            if msg.WhichOneof("msg") != "request":
-                continue
-            try:
-                seq = await loop.run_in_executor(None, self.engine.prepare, msg.request, sink)
-            except RequestError as e:
-                sink.deliver([e.to_event(msg.request.request_id)])
-                continue
-            except Exception:
-                log.exception("preparing a request failed", request_id=msg.request.request_id)
-                sink.deliver([error_event(msg.request.request_id, grpc.StatusCode.INTERNAL,
-                                          "the engine could not prepare this request")])
-                continue
-            self.engine.submit(seq)
+        try:
+            seq = await loop.run_in_executor(None, self.engine.prepare, request, sink)
+        except RequestError as e:
+            sink.deliver([e.to_event(request.request_id)])
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("preparing a request failed", request_id=request.request_id)
+            sink.deliver([error_event(request.request_id, grpc.StatusCode.INTERNAL,
+                                      "the engine could not prepare this request")])
+            return
+        self.engine.submit(seq)
+        if pending.cancelled:  # after the submission in the engine's inbox: it finds it
+            self.engine.cancel(sink, request.request_id)
 
     def _status(self) -> engine_pb2.EngineStatus:
         return engine_pb2.EngineStatus(model=self.engine.model_name,

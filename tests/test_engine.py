@@ -239,7 +239,8 @@ def _engine_thread(engine: LLMEngine):
         thread.join(30)
 
 
-async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str]) -> dict[str, list]:
+async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str],
+                    on_event=lambda event: None) -> dict[str, list]:
     """Raw frames on the engine's Generate stream (a real gRPC server on loopback)."""
     from finsieve.engine.server import EngineService, add_to_server
     from finsieve.grpc_server import Service, start_server
@@ -261,6 +262,7 @@ async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str]) ->
             async for step in call(send()):
                 for e in step.events:
                     out.setdefault(e.request_id, []).append(e)
+                    on_event(e)
                 if all(rid in out and out[rid][-1].WhichOneof("event") in ("finished", "error")
                        for rid in wanted):
                     break
@@ -291,6 +293,34 @@ def test_a_bad_frame_or_a_failing_prepare_fails_that_request_and_the_stream_goes
     assert out["bad"][-1].error.code == INVALID
     assert out["crash"][-1].error.code == INTERNAL
     assert out["good"][-1].WhichOneof("event") == "finished" and text_of(out["good"])
+
+
+def test_a_slow_preparation_holds_up_no_other_request_and_its_early_cancel_still_applies(
+        engine, monkeypatch):
+    """Requests of one gateway stream are prepared concurrently: "slow" cannot finish
+    preparing until "fast" has finished; its cancel, sent while it is being prepared, ends it."""
+    fast_done = threading.Event()
+    prepare = engine.prepare
+
+    def gated(request, sink):
+        if request.request_id == "slow":
+            assert fast_done.wait(60), "the other request was held up by this one"
+        return prepare(request, sink)
+
+    monkeypatch.setattr(engine, "prepare", gated)
+    frames = [_frame(chat_request("slow", "What is a bond?", max_tokens=40)),
+              chat_pb2.ChatClientMessage(cancel=chat_pb2.Cancel(request_id="slow")).SerializeToString(),
+              _frame(chat_request("fast", "Say hello.", max_tokens=3))]
+
+    def seen(event) -> None:
+        if event.request_id == "fast" and event.WhichOneof("event") == "finished":
+            fast_done.set()
+
+    with _engine_thread(engine):
+        out = asyncio.run(asyncio.wait_for(_generate(engine, frames, {"slow", "fast"}, seen), 120))
+    assert out["fast"][-1].WhichOneof("event") == "finished"
+    assert [e.WhichOneof("event") for e in out["slow"]] == ["finished"]
+    assert out["slow"][-1].finished.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
 
 
 def test_a_device_that_stops_computing_stops_the_engine_and_fails_its_requests(engine, monkeypatch):
