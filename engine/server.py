@@ -20,14 +20,14 @@ from finsieve.errors import RequestError, error_event, invalid
 from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
+from . import events
 from .engine import LLMEngine
+from .sequence import Finish
 
 log = structlog.get_logger(__name__)
 
 # How soon an idle stream tells its gateway that the rules were reloaded.
 STATUS_POLL_S = 0.2
-# Requests of one gateway stream being prepared at once; the stream's next frames wait.
-MAX_PREPARING = 64
 
 
 @dataclass
@@ -35,7 +35,8 @@ class _Preparing:
     """A request between its frame and its submission to the engine."""
 
     task: asyncio.Task = field(init=False)
-    cancelled: bool = False  # its cancel came first: applied once it is submitted
+    submitted: bool = False  # in the engine's inbox: a cancel goes there too
+    cancelled: bool = False  # its cancel came first: it ends without being submitted
 
 
 class StreamSink:
@@ -44,6 +45,7 @@ class StreamSink:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.steps: asyncio.Queue[engine_pb2.EngineStep] = asyncio.Queue()
+        self.closed = False  # the stream ended: nothing more is submitted for it
 
     def deliver(self, events: list[chat_pb2.ChatServerMessage]) -> None:
         step = engine_pb2.EngineStep(events=events)
@@ -76,16 +78,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if step.events or step.HasField("status"):
                     yield step
         finally:
+            sink.closed = True  # before the cancel: a preparation finishing now submits nothing
             reader.cancel()
             self.engine.cancel(sink)  # the gateway is gone: free all of its sequences
 
     async def _read(self, frames: AsyncIterator[bytes], sink: StreamSink) -> None:
         """Requests are prepared concurrently (tokenizing and the input rules take
         milliseconds; one after another, a burst on one gateway stream waited for each in
-        turn), at most MAX_PREPARING at once per stream; frames are read in order, so a
-        cancel that overtakes the preparation of its request is applied right after it."""
+        turn), at most `max_waiting` at once per stream; frames are read in order, so a
+        cancel that overtakes the preparation of its request ends that request there."""
         preparing: dict[str, _Preparing] = {}
-        room = asyncio.Semaphore(MAX_PREPARING)
+        room = asyncio.Semaphore(self.engine.max_waiting)
         try:
             async for frame in frames:
                 try:
@@ -95,9 +98,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     continue
                 kind = msg.WhichOneof("msg")
                 if kind == "cancel":
-                    if (pending := preparing.get(msg.cancel.request_id)) is not None:
+                    pending = preparing.get(msg.cancel.request_id)
+                    if pending is not None and not pending.submitted:
                         pending.cancelled = True
-                    self.engine.cancel(sink, msg.cancel.request_id)
+                    else:
+                        self.engine.cancel(sink, msg.cancel.request_id)
                 elif kind == "request":
                     request_id = msg.request.request_id
                     if request_id in preparing:
@@ -113,9 +118,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         room.release()
 
                     pending.task.add_done_callback(prepared)
-        finally:
+            # The gateway closed its side: the requests it sent are still answered.
+            await asyncio.gather(*(p.task for p in list(preparing.values())))
+        except BaseException:
             for pending in list(preparing.values()):  # the stream is gone: submit nothing more
                 pending.task.cancel()
+            raise
 
     async def _prepare(self, request: chat_pb2.ChatRequest, sink: StreamSink,
                        pending: _Preparing) -> None:
@@ -125,16 +133,19 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except RequestError as e:
             sink.deliver([e.to_event(request.request_id)])
             return
-        except asyncio.CancelledError:
-            raise
         except Exception:
             log.exception("preparing a request failed", request_id=request.request_id)
             sink.deliver([error_event(request.request_id, grpc.StatusCode.INTERNAL,
                                       "the engine could not prepare this request")])
             return
+        if sink.closed:
+            return
+        if pending.cancelled:  # cancelled before it reached the engine: it ends here
+            seq.finish_reason = Finish.CANCELLED
+            sink.deliver([events.finished(seq)])
+            return
         self.engine.submit(seq)
-        if pending.cancelled:  # after the submission in the engine's inbox: it finds it
-            self.engine.cancel(sink, request.request_id)
+        pending.submitted = True
 
     def _status(self) -> engine_pb2.EngineStatus:
         return engine_pb2.EngineStatus(model=self.engine.model_name,

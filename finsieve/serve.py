@@ -162,6 +162,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     # executor thread holds it then, the loop gets it back only at the holder's next switch:
     # 5 ms by default, a whole decode step. 0.5 ms bounds that wait (a loop of short
     # GIL-releasing calls beside a busy thread ran 7.5x faster).
+    stack.callback(sys.setswitchinterval, sys.getswitchinterval())
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     thread = threading.Thread(target=run, name="engine-loop", daemon=True)
     thread.start()

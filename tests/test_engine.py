@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -240,7 +241,7 @@ def _engine_thread(engine: LLMEngine):
 
 
 async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str],
-                    on_event=lambda event: None) -> dict[str, list]:
+                    on_event=lambda event: None, half_close: bool = False) -> dict[str, list]:
     """Raw frames on the engine's Generate stream (a real gRPC server on loopback)."""
     from finsieve.engine.server import EngineService, add_to_server
     from finsieve.grpc_server import Service, start_server
@@ -257,7 +258,8 @@ async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str],
             async def send():
                 for f in frames:
                     yield f
-                await asyncio.sleep(600)
+                if not half_close:
+                    await asyncio.sleep(600)
 
             async for step in call(send()):
                 for e in step.events:
@@ -321,6 +323,20 @@ def test_a_slow_preparation_holds_up_no_other_request_and_its_early_cancel_still
     assert out["fast"][-1].WhichOneof("event") == "finished"
     assert [e.WhichOneof("event") for e in out["slow"]] == ["finished"]
     assert out["slow"][-1].finished.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+
+
+def test_requests_sent_before_the_gateway_half_closes_are_still_answered(engine, monkeypatch):
+    prepare = engine.prepare
+
+    def slow(request, sink):
+        time.sleep(0.5)  # still preparing when the gateway closes its side
+        return prepare(request, sink)
+
+    monkeypatch.setattr(engine, "prepare", slow)
+    frames = [_frame(chat_request("last", "Say hello.", max_tokens=3))]
+    with _engine_thread(engine):
+        out = asyncio.run(asyncio.wait_for(_generate(engine, frames, {"last"}, half_close=True), 60))
+    assert out["last"][-1].WhichOneof("event") == "finished"
 
 
 def test_a_device_that_stops_computing_stops_the_engine_and_fails_its_requests(engine, monkeypatch):

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .matcher import StreamMatcher
 from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk, plain_join
-from .pack import Literals
+from .pack import MEMO_CHARS, Literals
 from .scripts import ALNUM, accepts, script_tag
 
 FORMAT = 2
@@ -231,6 +231,8 @@ class MaskTables:
         pending = matcher.norm.pending
         if not live and not pending:
             return False  # the ban set is the always-banned set
+        if len(live) > MEMO_CHARS:  # a long pattern's live part: not kept
+            return self._joined_completes(live, live_tags, matcher.norm.mode, pending + data)
         return self._completed_by(live, live_tags, matcher.norm.mode, pending + data)
 
     def _joined_completes(self, live: str, live_tags: bytes, mode: str, data: bytes) -> bool:

@@ -198,16 +198,15 @@ class StreamMatcher:
         # a little context before it, for lookbehinds and \b.
         window = self._window
         base = n - len(window)
+        if min(active.values()) < base + 8:  # a whole text fed at once
+            base = max(0, min(active.values()) - 8)
+            window = "".join(self.norm.text[base:])
         # `regex` releases the GIL for every search of a str. A streaming search (the short
         # window, a few microseconds) keeps it: the engine loop would otherwise wait for the
         # GIL after each one while a gRPC or executor thread runs (measured beside a busy
         # thread: 1,500 searches/s instead of 90,000). A whole text (input rules, audit
         # masking) lets other threads run while it is searched.
-        concurrent: bool | None = False
-        if min(active.values()) < base + 8:  # a whole text fed at once
-            base = max(0, min(active.values()) - 8)
-            window = "".join(self.norm.text[base:])
-            concurrent = None
+        concurrent = None if len(window) > self._window_len else False
         for i, pos in active.items():
             self._search(i, pos, window, base, final, found, concurrent)
 

@@ -19,6 +19,7 @@ from .scripts import regex_scripts, scripts_of
 from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
+MEMO_CHARS = 64  # longest text whose answers are memoized (entries are bounded in number)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,11 @@ class Literals:
     def depth(self, text: str, longest: int | None = None) -> int:
         """Length of the longest suffix of text (at most `longest`) that is live."""
         top = min(len(text), self.max_len - 1 if longest is None else longest)
-        return self._suffix_depth(text[len(text) - top :]) if top > 0 else 0
+        if top <= 0:
+            return 0
+        suffix = text[len(text) - top :]
+        # Kept only when short: a pack's long literals would make each entry as long.
+        return self._suffix_depth(suffix) if top <= MEMO_CHARS else self._longest_live_suffix(suffix)
 
     def _longest_live_suffix(self, text: str) -> int:
         for length in range(len(text), 0, -1):
@@ -92,7 +97,7 @@ class RuleSet:
     def regexes_starting_in(self, new: str, after_word: bool) -> tuple[int, ...]:
         """Indexes of the regexes whose match can begin with one of the (normalized)
         characters `new`; `after_word`: the character before them is part of a word."""
-        if len(new) > 16:  # a whole text (input rules): not worth keeping
+        if len(new) > MEMO_CHARS:  # a whole text (input rules): not worth keeping
             return self._starting_in(new, after_word)
         return self._by_token(new, after_word)
 
