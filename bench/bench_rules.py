@@ -6,8 +6,9 @@ Realistic text is the clean corpus plus forbidden phrases, tokenized by the defa
 model's tokenizer. Two baselines run side by side: the naive way (after every token,
 normalize the whole text so far and search it with every pattern), and the policy package
 and default packs of another git revision (`--baseline`, loaded from git into a temporary
-package) on the same tokens: the normalized view's cost before and after. Prints tables and
-writes bench/results/rules.json.
+package) on the same tokens: the normalized view's cost before and after, and the engine's
+host path per sampled token with rules on (exact-mask check, guard, release). Prints tables
+and writes bench/results/rules.json.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import disarm
+import prometheus_client
 from transformers import AutoTokenizer
 
 from finsieve.engine.tokens import token_byte_table
+from finsieve.policy import guard as our_guard
 from finsieve.policy import masks as our_masks
 from finsieve.policy import matcher as our_matcher
 from finsieve.policy import normalize as our_normalize
@@ -120,8 +124,10 @@ def load_revision(ref: str, into: Path) -> SimpleNamespace:
         for name in git("ls-tree", "--name-only", f"{ref}:{folder}").decode().split():
             (target / name).write_bytes(git("show", f"{ref}:{folder}/{name}"))
     sys.path.insert(0, str(into))
-    names = ("masks", "matcher", "normalize", "pack")
-    mods = {m: importlib.import_module(f"baseline_policy.{m}") for m in names}
+    names = ("guard", "masks", "matcher", "normalize", "pack")
+    # The baseline's metrics have our metrics' names: they stay out of the registry.
+    with mock.patch.object(prometheus_client.REGISTRY, "register", lambda collector: None):
+        mods = {m: importlib.import_module(f"baseline_policy.{m}") for m in names}
     return SimpleNamespace(**mods, memos=[mods["normalize"]], rules=into / "rules")
 
 
@@ -133,11 +139,33 @@ def clear_memos(modules: list) -> None:
                 value.cache_clear()
 
 
+def engine_path(mods: SimpleNamespace, pack, table, vocab: list[bytes], ids: list[int],
+                answer: int = 256) -> list[int]:
+    """Nanoseconds per sampled token on the engine's host path with rules on: the exact-mask
+    check of a token sampled under the base bans (`is_banned`), the guard's check and the
+    release of final text. A refused token, or every `answer` tokens, starts a new answer."""
+    masks = mods.masks.MaskTables(table, pack.output.literal_patterns(("block",)))
+    policy = mods.guard.Policy(pack, masks, pack.version)
+    guard, out = mods.guard.Guard(policy, vocab), []
+    for t in ids:
+        start = time.perf_counter_ns()
+        banned = masks.is_banned(guard.matcher, t, vocab[t])
+        verdict = None if banned else guard.check(t).verdict
+        if verdict is mods.guard.Verdict.ACCEPT:
+            guard.release()
+        out.append(time.perf_counter_ns() - start)
+        if verdict is not mods.guard.Verdict.ACCEPT or len(guard.tokens) >= answer:
+            guard = mods.guard.Guard(policy, vocab)
+    return out
+
+
 def before_after(base: SimpleNamespace, synthetic: Path, vocab: list[bytes],
                  tokens: list[bytes]) -> dict:
     """The same measurements with the baseline revision's code and with ours, alternating."""
-    ours = SimpleNamespace(masks=our_masks, matcher=our_matcher, normalize=our_normalize,
-                           pack=our_pack, memos=[our_normalize, our_scripts])
+    ours = SimpleNamespace(guard=our_guard, masks=our_masks, matcher=our_matcher,
+                           normalize=our_normalize, pack=our_pack, memos=[our_normalize, our_scripts])
+    first_id = {b: i for i, b in reversed(list(enumerate(vocab)))}
+    ids = [first_id[t] for t in tokens]
     sides = {"before": (base, base.rules), "after": (ours, REPO / "rules")}
     out: dict = {}
     for side, (mods, rules_dir) in sides.items():
@@ -151,6 +179,10 @@ def before_after(base: SimpleNamespace, synthetic: Path, vocab: list[bytes],
             row[name] = stats_us(per_token(p, tokens, mods.matcher.StreamMatcher))
         clear_memos(mods.memos)
         table, row["token_table_build_49k_s"] = timed(lambda m=mods: m.masks.TokenTable.build(vocab))
+        if hasattr(mods.masks.MaskTables, "is_banned"):
+            for name, p in packs.items():
+                engine_path(mods, p, table, vocab, ids[:1000])  # warm-up, as above
+                row[f"engine path {name}"] = stats_us(engine_path(mods, p, table, vocab, ids))
         for name, p in packs.items():
             _, row[f"mask_build {name}_s"] = timed(lambda m=mods, p=p, t=table: m.masks.MaskTables(
                 t, p.output.literal_patterns(("block",))))
@@ -300,6 +332,11 @@ def main() -> None:
         b, a = ba["before"][key], ba["after"][key]
         print(f"{key:30} {b['mean_us']:11.1f} {a['mean_us']:11.1f} {b['median_us']:11.1f} "
               f"{a['median_us']:10.1f} {a['mean_us'] / b['mean_us']:11.2f}x")
+    for key in ("engine path default packs", "engine path 10k literals + 100 regexes"):
+        if key in ba["before"]:
+            b, a = ba["before"][key], ba["after"][key]
+            print(f"{key:30} {b['mean_us']:11.1f} {a['mean_us']:11.1f} {b['median_us']:11.1f} "
+                  f"{a['median_us']:10.1f} {a['mean_us'] / b['mean_us']:11.2f}x")
     for key in ("default packs", "10k literals + 100 regexes"):
         share = ba["after"]["normalizer"]["mean_us"] / ba["after"][key]["mean_us"]
         ba["after"][f"normalizer_share {key}"] = share
