@@ -711,7 +711,8 @@ def phase_tests(args) -> dict:
 
 def phase_profile(args) -> dict:
     """Where a decode step's device time goes: the compiled step's kernels by time at 1 and 64
-    rows, and each weight's matmul alone as a fraction of the copy bandwidth."""
+    rows, each weight's matmul alone as a fraction of the copy bandwidth, and the attention
+    kernel's tiles and splits at 1, 64 and 128 rows."""
     import torch
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
@@ -721,7 +722,7 @@ def phase_profile(args) -> dict:
 
     device = torch.device("cuda")
     engine = LLMEngine(load_model(args.model_dir, Path(args.work), device),
-                       EngineLimits(max_batch=64, max_context=args.max_context,
+                       EngineLimits(max_batch=128, max_context=args.max_context,
                                     default_max_tokens=args.max_tokens), device)
     m = engine.model
     out: dict = {"mode": engine.mode, "graph_replay_ms": _graph_replay_ms(engine), "steps": {}}
