@@ -30,7 +30,7 @@ import structlog
 from finsieve import tls
 from finsieve.auth import AuthInterceptor, roles_for
 from finsieve.config import Settings
-from finsieve.grpc_server import Service, start_server
+from finsieve.grpc_server import Service, server_options, start_server
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc
 
 from .admin_service import AdminService
@@ -142,6 +142,9 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
                  audit_pb2_grpc.add_AuditServiceServicer_to_server),
          Service(admin_name, AdminService(keys, tenant_limiter(settings, client), audit),
                  admin_pb2_grpc.add_AdminServiceServicer_to_server)],
+        # The public port's frame limit and keepalive; no idle or age limit: an export may
+        # stream for a long time.
+        options=server_options(settings, settings.max_message_bytes, clients=False),
         credentials=tls.server_credentials(settings),
         interceptors=[AuthInterceptor(auth, roles_for({audit_name: "officer",
                                                        admin_name: "admin"}))])

@@ -241,6 +241,16 @@ def test_an_officer_reads_its_own_tenant_only(server):
         assert code_of(lambda ask=ask: audit_call(server, ask, officer)) == DENIED
 
 
+def test_the_officers_port_refuses_a_frame_over_the_client_limit(server):
+    """The officers' listener has the public port's frame limit (1 MiB by default), not gRPC's
+    8 MiB channel default: an oversized query is refused before it is parsed or authorized."""
+    huge = audit_pb2.AuditQuery(match="x" * (2 << 20))
+    ok = audit_pb2.AuditQuery(request_id="no-such-request")
+    assert code_of(lambda: audit_call(server, lambda s: s.Query(huge))) == \
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert audit_call(server, lambda s: s.Query(ok)).records is not None  # the port goes on
+
+
 def test_an_admin_acts_on_its_own_tenant_only(server):
     admin, _ = new_key(server, "bank-x", "admin")
     assert code_of(lambda: new_key(server, "bank-y", "app", admin)) == DENIED
