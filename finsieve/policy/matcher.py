@@ -90,7 +90,7 @@ class StreamMatcher:
             self._window = (self._window + new)[-self._window_len :]
             self._literals(new, found)
         self._regexes(found, new, final=True)
-        self.depth = 0
+        self.depth, self._tail = 0, ""
         return found
 
     @property
@@ -162,7 +162,7 @@ class StreamMatcher:
         # with a fresh iterator: pyahocorasick's `iter.set()` frees memory it does not own
         # when the strings fed to one iterator differ in width (an emoji, then ASCII), which
         # crashed the engine for everyone.
-        live = self._tail[len(self._tail) - self.depth :] if self.depth else ""
+        live = self._tail
         text = live + new
         base = len(self.norm.text) - len(text)
         scripts = self.rules.literals.scripts

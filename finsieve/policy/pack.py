@@ -56,9 +56,9 @@ class Literals:
         a = self.automaton
         return a is not None and a.match(s) and (s in self.proper_prefixes or not a.exists(s))
 
-    def depth(self, text: str, longest: int | None = None) -> int:
-        """Length of the longest suffix of text (at most `longest`) that is live."""
-        top = min(len(text), self.max_len - 1 if longest is None else longest)
+    def depth(self, text: str) -> int:
+        """Length of the longest suffix of text that is live."""
+        top = min(len(text), self.max_len - 1)
         if top <= 0:
             return 0
         suffix = text[len(text) - top :]
