@@ -548,7 +548,8 @@ def phase_serve(args) -> dict:
                 if time_left(args) < 45:
                     result["skipped"] = f"levels from {n} streams rules {name}: no time left"
                     break
-                spy = _py_spy(engine.pid, f"engine-{n}-{name}", args)
+                samples = Path(args.log_dir) / f"py-spy-engine-{n}-{name}.txt"
+                spy = _py_spy(engine.pid, samples, args)
                 try:
                     row = grpc_level(target, key, texts, n, args.rounds, args.max_tokens,
                                      args.client_procs, timeout=time_left(args) - 25)
@@ -558,7 +559,7 @@ def phase_serve(args) -> dict:
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
                     spy.wait(30)
-                    row["py_spy"] = _py_spy_summary(Path(args.log_dir) / f"py-spy-engine-{n}-{name}.txt")
+                    row["py_spy"] = _py_spy_summary(samples)
                 row.update(streams=n, rules=name)
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
@@ -580,14 +581,14 @@ def phase_serve(args) -> dict:
     return result
 
 
-def _py_spy(pid: int, name: str, args) -> subprocess.Popen | None:
-    """With --py-spy: sample a process's Python stacks (collapsed, one file per level) into
-    the log directory, so a level's CPU time can be read by function."""
+def _py_spy(pid: int, output: Path, args) -> subprocess.Popen | None:
+    """With --py-spy: sample a process's Python stacks (collapsed) into `output`, so a level's
+    CPU time can be read by function."""
     if not (args.py_spy and args.log_dir and shutil.which("py-spy")):
         return None
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format",
                              "raw", "--nonblocking", "--threads", "--output",
-                             str(Path(args.log_dir) / f"py-spy-{name}.txt")],
+                             str(output)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -104,7 +104,6 @@ class LLMEngine:
         self.max_context = min(limits.max_context, model.max_position_embeddings)
         self.default_max_tokens = limits.default_max_tokens
         self.max_rollbacks = limits.max_rollbacks
-        self.max_waiting = limits.max_waiting
         self.policy = policy  # the policy in force now; a request keeps the one it started with
         self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
         self.max_batch = self.model.n_slots

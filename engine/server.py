@@ -34,8 +34,7 @@ STATUS_POLL_S = 0.2
 class _Preparing:
     """A request between its frame and its submission to the engine."""
 
-    task: asyncio.Task = field(init=False)
-    submitted: bool = False  # in the engine's inbox: a cancel goes there too
+    task: asyncio.Task = field(init=False)  # done once submitted (or answered here)
     cancelled: bool = False  # its cancel came first: it ends without being submitted
 
 
@@ -88,7 +87,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         turn), at most `max_waiting` at once per stream; frames are read in order, so a
         cancel that overtakes the preparation of its request ends that request there."""
         preparing: dict[str, _Preparing] = {}
-        room = asyncio.Semaphore(self.engine.max_waiting)
+        room = asyncio.Semaphore(self.engine.scheduler.max_waiting)
         try:
             async for frame in frames:
                 try:
@@ -99,7 +98,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 kind = msg.WhichOneof("msg")
                 if kind == "cancel":
                     pending = preparing.get(msg.cancel.request_id)
-                    if pending is not None and not pending.submitted:
+                    if pending is not None and not pending.task.done():
                         pending.cancelled = True
                     else:
                         self.engine.cancel(sink, msg.cancel.request_id)
@@ -145,7 +144,6 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             sink.deliver([events.finished(seq)])
             return
         self.engine.submit(seq)
-        pending.submitted = True
 
     def _status(self) -> engine_pb2.EngineStatus:
         return engine_pb2.EngineStatus(model=self.engine.model_name,

@@ -106,7 +106,7 @@ class RuleSet:
         word_start = not after_word
         for ch in new:
             found.update(self._by_char(ch, word_start))
-            word_start = not _is_word(ch)
+            word_start = not is_word(ch)
         return tuple(sorted(found))
 
     def _starting_with(self, ch: str, word_start: bool) -> tuple[int, ...]:
@@ -141,7 +141,8 @@ class Pack:
         return next((r for r in self.rules if r.id == rule_id), None)
 
 
-def _is_word(ch: str) -> bool:
+def is_word(ch: str) -> bool:
+    """A character of a word, as regex's \\b sees it."""
     return ch.isalnum() or ch == "_"
 
 
