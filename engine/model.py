@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import decode_attention, prefill_attention, split_len_for
+from .attention import VarlenKeys, decode_attention, prefill_attention, split_len_for, varlen_prefill
 from .kv_cache import SlotKVCache
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,8 @@ class CompactLM:
         # Prefill batches every chunk of a step into one forward on CUDA (throughput); on
         # the CPU each chunk runs alone (batch invariance).
         self.batch_prefill = self.device.type == "cuda"
+        # ...and in one FlashAttention call per layer where it takes the dtype.
+        self.varlen_prefill = self.batch_prefill and self.dtype in (torch.bfloat16, torch.float16)
         if memory_fraction is not None and self.device.type == "cuda":
             n_slots = self._slots_that_fit(n_slots, max_len, memory_fraction)
         self.cache = SlotKVCache(
@@ -140,28 +143,43 @@ class CompactLM:
     # -- pieces -----------------------------------------------------------------------
 
     def _prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
-        dev = self.device
-        ids = torch.tensor([t for _, _, toks in chunks for t in toks], device=dev)
-        positions = torch.cat([torch.arange(start, start + len(toks), device=dev)
-                               for _, start, toks in chunks])
-        slots = torch.tensor([slot for slot, _, toks in chunks for _ in toks], device=dev)
         spans = [(slot, start, len(toks)) for slot, start, toks in chunks]
+        ids, positions, slots, last, keys = self._prefill_inputs(chunks, sample, spans)
         x = self.embed[ids]
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
             x, q, k, v = self._prefill_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv, positions)
             self.cache.k[i][slots, :, positions] = k
             self.cache.v[i][slots, :, positions] = v
-            attn = prefill_attention(q, self.cache.k[i], self.cache.v[i], spans)
+            attn = (varlen_prefill(q, self.cache.k[i], self.cache.v[i], keys) if keys is not None
+                    else prefill_attention(q, self.cache.k[i], self.cache.v[i], spans))
             x, delta = self._prefill_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                          layer.w_gate_up, layer.w_down)
-        ends, total = [], 0
-        for (_, _, toks), wanted in zip(chunks, sample, strict=True):
-            total += len(toks)
-            if wanted:
-                ends.append(total - 1)
-        last = torch.tensor(ends, device=dev, dtype=torch.long)
         return self._head(x[last] + delta[last], F.linear)
+
+    def _prefill_inputs(self, chunks: list[Chunk], sample: list[bool],
+                        spans: list[tuple[int, int, int]]) -> tuple:
+        """The step's prefill indices: built on the host, copied to the device in one go.
+        ids, positions and slots per token; the last token of each sampled chunk; the keys."""
+        sizes = [n for _, _, n in spans]
+        parts = [
+            np.fromiter((t for _, _, toks in chunks for t in toks), dtype=np.int64, count=sum(sizes)),
+            np.concatenate([np.arange(start, start + n, dtype=np.int64) for _, start, n in spans]),
+            np.repeat(np.asarray([slot for slot, _, _ in spans], dtype=np.int64), sizes),
+            (np.cumsum(sizes) - 1)[np.asarray(sample, dtype=bool)],
+        ]
+        if self.varlen_prefill:
+            parts += VarlenKeys.host_arrays(spans)
+        flat = torch.from_numpy(np.concatenate(parts))
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the device
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        ids, positions, slots, last, *where = flat.split([part.size for part in parts])
+        keys = None
+        if where:
+            key_slots, key_positions, cu_q, cu_k = where
+            keys = VarlenKeys(key_slots, key_positions, cu_q.int(), cu_k.int(), max(sizes),
+                              max(start + n for _, start, n in spans))
+        return ids, positions, slots, last, keys
 
     def _head(self, x: Tensor, linear: Callable) -> Tensor:
         return linear(_rms_norm(x, self.norm, self.eps), self.lm_head)

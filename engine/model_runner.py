@@ -156,7 +156,6 @@ class ModelRunner:
             start = time.perf_counter()
             self.graphs = DecodeGraphs(model, self.n_slots)
             self.graphs.capture()
-            self._warm_prefill()
             self.startup_s = time.perf_counter() - start
             log.info("cuda graphs captured", buckets=self.graphs.buckets,
                      seconds=round(self.startup_s, 1))
@@ -233,9 +232,13 @@ class ModelRunner:
             return self.graphs.run(inputs[:3], len(rows))
         return self.model.decode(inputs[0], inputs[1], inputs[2])
 
-    def _warm_prefill(self) -> None:
-        n = min(64, self.model.cache.max_len)
-        self.model.prefill([(self.model.cache.scratch, 0, [0] * n)], [True])
+    def warm_up(self) -> None:
+        """A prefill and an eager decode on the scratch slot: a kernel the device refuses
+        fails here, at start-up (and the engine falls back), not on a request."""
+        scratch = self.model.cache.scratch
+        self.model.prefill([(scratch, 0, [0] * min(64, self.model.cache.max_len))], [True])
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.model.decode(zero, zero, zero + scratch)
         torch.cuda.synchronize()
 
     def healthy(self) -> bool:

@@ -94,6 +94,22 @@ def test_triton_decode_attention_matches_sdpa():
             assert torch.equal(k_cache.float().cpu(), ref_k) and torch.equal(v_cache.float().cpu(), ref_v)
 
 
+def test_varlen_prefill_matches_sdpa_per_chunk():
+    """One FlashAttention call for chunks of several slots, fresh and continued, attends like
+    one SDPA per chunk (causal aligned to each chunk's last key, GQA)."""
+    from finsieve.engine.attention import VarlenKeys, prefill_attention, varlen_prefill
+
+    torch.manual_seed(0)
+    k_cache = torch.randn(6, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    chunks = [(3, 0, 50), (0, 200, 37), (5, 1023, 1), (1, 64, 128), (2, 0, 1)]
+    q = torch.randn(sum(n for _, _, n in chunks), 28, 128, device="cuda", dtype=torch.bfloat16)
+    slots, positions, cu_q, cu_k = (torch.from_numpy(a).cuda() for a in VarlenKeys.host_arrays(chunks))
+    keys = VarlenKeys(slots, positions, cu_q.int(), cu_k.int(), 128, 1024)
+    ref = prefill_attention(q.float(), k_cache.float(), v_cache.float(), chunks)
+    assert _relative_error(varlen_prefill(q, k_cache, v_cache, keys), ref) < 2e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compact_forward_matches_transformers_on_cuda(random_llama, dtype):
     from finsieve.engine.model import CompactLM

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from finsieve.client import chat_request
+from finsieve.engine.attention import VarlenKeys
 from finsieve.engine.engine import EngineLimits, LLMEngine
 from finsieve.engine.hf_runner import HFRunner
 from finsieve.engine.loader import LoadedModel
@@ -73,6 +74,17 @@ def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
     last = [model.prefill([c], [i == len(chunks) - 1]) for i, c in enumerate(chunks)][-1]
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
     assert int(last.argmax()) == int(whole.argmax())
+
+
+def test_varlen_keys_are_each_chunks_slot_prefix():
+    """The index the CUDA prefill gathers keys with: each chunk's slot, positions 0 to its end."""
+    cache = torch.randn(4, 2, 16, 3)
+    chunks = [(2, 0, 5), (0, 7, 2), (3, 15, 1)]
+    slots, positions, cu_q, cu_k = map(torch.from_numpy, VarlenKeys.host_arrays(chunks))
+    gathered = cache[slots, :, positions]
+    assert cu_q.tolist() == [0, 5, 7, 8]
+    for i, (slot, start, n) in enumerate(chunks):
+        assert torch.equal(gathered[cu_k[i] : cu_k[i + 1]], cache[slot, :, : start + n].transpose(0, 1))
 
 
 @pytest.fixture(scope="module")
