@@ -10,9 +10,13 @@ character". Anything else it cannot read (another `regex`-only construct, a nega
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from re import _constants as c  # type: ignore[attr-defined]
+
+import regex
+
+from .schema import REGEX_FLAGS
 
 _CATEGORIES = {
     c.CATEGORY_DIGIT: str.isdigit, c.CATEGORY_UNI_DIGIT: str.isdigit,
@@ -32,6 +36,22 @@ class FirstChars:
     ranges: list[tuple[int, int]] = field(default_factory=list)
     tests: list = field(default_factory=list)
     word_start: bool = False  # the pattern begins with \b before a word character
+    not_after: Callable[[str], object] | None = None  # a character no match can follow
+    # Every match begins with one of these (its first PREFIX_CHARS characters, or all of a
+    # shorter match); None: too many or unknown. `_heads`: every prefix of each of them.
+    prefixes: frozenset[str] | None = None
+    _heads: frozenset[str] = frozenset()
+    _lengths: tuple[int, ...] = ()
+
+    def can_follow(self, prev: str) -> bool:
+        return self.not_after is None or not self.not_after(prev)
+
+    def can_begin(self, text: str) -> bool:
+        """Can a match (or the beginning of one still in the making) begin `text`?"""
+        if self.prefixes is None:
+            return True
+        head = text[:PREFIX_CHARS]
+        return head in self._heads or any(head[:n] in self.prefixes for n in self._lengths)
 
     def __contains__(self, ch: str) -> bool:
         o = ord(ch)
@@ -56,7 +76,127 @@ def first_chars(pattern: str) -> FirstChars | None:
                   and all(chr(lo).isalnum() and chr(hi).isalnum() for lo, hi in out.ranges)
                   and all(t is str.isdigit for t in out.tests))
     out.word_start = first == (c.AT, c.AT_BOUNDARY) and word_chars
+    out.not_after = _not_after(pattern)
+    try:
+        prefixes = {p.rstrip(_OPEN) for p in _seq_strings(list(parsed), PREFIX_CHARS)}
+        if "" in prefixes:
+            raise _Any
+        out.prefixes = frozenset(prefixes)
+        out._heads = frozenset(p[:n] for p in out.prefixes for n in range(1, len(p) + 1))
+        out._lengths = tuple(sorted({len(p) for p in out.prefixes}))
+    except _Any:
+        pass
     return out
+
+
+PREFIX_CHARS = 3
+_MAX_PREFIXES = 1024
+_OPEN = "\x00"
+
+
+def _seq_strings(items: list, k: int) -> set[str]:
+    """The first k characters of every string a sequence matches (all of a shorter one).
+    Zero-width items (anchors, lookarounds) are skipped: the set may be larger, not smaller.
+    A string ending in _OPEN is a beginning followed by what could not be read (anything)."""
+    out = {""}
+    for op, av in items:
+        if op in (c.AT, c.ASSERT, c.ASSERT_NOT):
+            continue
+        if all(_done(s, k) for s in out):
+            break
+        try:
+            tails = _item_strings(op, av, k)
+        except _Any:
+            if "" in out:
+                raise
+            tails = {_OPEN}
+        out = {_join(s, t, k) for s in out for t in tails}
+        if len(out) > _MAX_PREFIXES:
+            raise _Any
+    return out
+
+
+def _done(s: str, k: int) -> bool:
+    return len(s) >= k or s.endswith(_OPEN)
+
+
+def _join(s: str, t: str, k: int) -> str:
+    return s if _done(s, k) else (s + t)[:k]
+
+
+def _item_strings(op, av, k: int) -> set[str]:
+    if op is c.LITERAL:
+        return {_folded(chr(av))}
+    if op is c.IN:
+        chars: set[str] = set()
+        for kind, value in av:
+            if kind is c.LITERAL:
+                chars.add(_folded(chr(value)))
+            elif kind is c.RANGE and value[1] - value[0] < 64:
+                chars |= {_folded(chr(o)) for o in range(value[0], value[1] + 1)}
+            else:
+                raise _Any  # a category, a negation, a wide range
+        return chars
+    if op is c.SUBPATTERN:
+        return _seq_strings(list(av[-1]), k)
+    if op is c.BRANCH:
+        return set().union(*(_seq_strings(list(branch), k) for branch in av[1]))
+    if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+        low, high, item = av
+        one = _seq_strings(list(item), k)
+        if "" in one or _OPEN in one:
+            raise _Any  # a repeat of something that can be empty: not worth the care
+        # Each repeat adds a character at least: k repeats or more all begin like k repeats.
+        out, strings = set(), {""}
+        for count in range(min(high, k) + 1):
+            if count >= min(low, k):
+                out |= strings
+            strings = {_join(s, t, k) for s in strings for t in one}
+            if len(strings) > _MAX_PREFIXES:
+                raise _Any
+        return out
+    if op is c.ATOMIC_GROUP:
+        return _seq_strings(list(av), k)
+    raise _Any
+
+
+def _folded(ch: str) -> str:
+    """The character as the normalized text holds it (case-folded); one that folds to more
+    than one character, or to another one than lower() gives, is not worth the care."""
+    folded = ch.casefold()
+    if len(folded) != 1 or folded != ch.lower():
+        raise _Any
+    return folded
+
+
+_ONE_CHAR = re.compile(r"\\[dwsDWS]|\[(?:\\.|[^\]\\])+\]|[^\\()[\]|.*+?{}^$]")
+
+
+def _not_after(pattern: str) -> Callable[[str], object] | None:
+    """The pattern begins with a negative lookbehind (`(?<![a-z0-9])`, `(?<!\\d|\\d ?-)`):
+    the characters that one of its one-character alternatives matches. After one of them no
+    match can begin, whatever came before (longer alternatives need more text: ignored)."""
+    start = next((n for n in ("(?<!", "(?:(?<!") if pattern.startswith(n)), None)
+    if start is None:
+        return None
+    alternatives, current, depth = [], [], 0
+    for _, unit, in_class in _units(pattern[len(start):]):
+        if not in_class and unit in ("(", ")"):
+            depth += 1 if unit == "(" else -1
+            if depth < 0:
+                break
+        if not in_class and unit == "|" and depth == 0:
+            alternatives.append("".join(current))
+            current = []
+        else:
+            current.append(unit)
+    else:
+        return None  # unbalanced
+    alternatives.append("".join(current))
+    one_char = [a for a in alternatives if _ONE_CHAR.fullmatch(a)]
+    if not one_char:
+        return None
+    return regex.compile("|".join(one_char), REGEX_FLAGS).fullmatch
 
 
 def _seq(items: list, out: FirstChars) -> bool:

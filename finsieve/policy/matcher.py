@@ -22,7 +22,7 @@ from typing import NamedTuple
 from prometheus_client import Counter
 
 from .normalize import Normalizer
-from .pack import RuleSet, is_word
+from .pack import RuleSet
 from .schema import Rule
 from .scripts import accepts
 from .validators import VALIDATORS
@@ -189,7 +189,7 @@ class StreamMatcher:
         # the new characters, can change; a new match can only begin in the new text.
         active = dict(self._in_making)
         prev = self._window[-len(new) - 1] if len(self._window) > len(new) else " "
-        for i in self.rules.regexes_starting_in(new, is_word(prev)):
+        for i in self.rules.regexes_starting_in(new, prev):
             active.setdefault(i, before)
         self._in_making = {}
         if not active:

@@ -90,28 +90,43 @@ class RuleSet:
         ]
         self.max_regex_span = max((r.max_span for r in self.regexes), default=0)
         self._first = [first_chars(r.pattern.pattern) for r in self.regexes]
-        # A token's characters come back again and again: answers are kept (bounded).
+        # A token's characters come back again and again: answers are kept (bounded), per
+        # kind of character before them (what the filters below read of it).
         self._by_char = lru_cache(maxsize=1 << 16)(self._starting_with)
         self._by_token = lru_cache(maxsize=1 << 16)(self._starting_in)
+        self._kinds: dict[tuple[bool, ...], str] = {}
+        self._kind_of = lru_cache(maxsize=1 << 12)(self._representative)
 
-    def regexes_starting_in(self, new: str, after_word: bool) -> tuple[int, ...]:
-        """Indexes of the regexes whose match can begin with one of the (normalized)
-        characters `new`; `after_word`: the character before them is part of a word."""
+    def regexes_starting_in(self, new: str, prev: str) -> tuple[int, ...]:
+        """Indexes of the regexes whose match can begin in the (normalized) characters
+        `new`; `prev`: the character before them (" " at the start)."""
         if len(new) > MEMO_CHARS:  # a whole text (input rules): not worth keeping
-            return self._starting_in(new, after_word)
-        return self._by_token(new, after_word)
+            return self._starting_in(new, prev)
+        return self._by_token(new, self._kind_of(prev))
 
-    def _starting_in(self, new: str, after_word: bool) -> tuple[int, ...]:
+    def _starting_in(self, new: str, prev: str) -> tuple[int, ...]:
+        """A match beginning at new[j] begins with new[j:] (new ends the text): its first
+        character, the one before it, and its first few characters must all allow it."""
         found: set[int] = set()
-        word_start = not after_word
-        for ch in new:
-            found.update(self._by_char(ch, word_start))
-            word_start = not is_word(ch)
+        for j, ch in enumerate(new):
+            for i in self._by_char(ch, prev):
+                f = self._first[i]
+                if f is None or f.can_begin(new[j:]):
+                    found.add(i)
+            prev = ch
         return tuple(sorted(found))
 
-    def _starting_with(self, ch: str, word_start: bool) -> tuple[int, ...]:
+    def _representative(self, prev: str) -> str:
+        """The first character seen that every filter treats like `prev`."""
+        kind = (is_word(prev), *(f.can_follow(prev) for f in self._first
+                                 if f is not None and f.not_after is not None))
+        return self._kinds.setdefault(kind, prev)
+
+    def _starting_with(self, ch: str, prev: str) -> tuple[int, ...]:
+        word_start = not is_word(prev)
         return tuple(i for i, f in enumerate(self._first)
-                     if f is None or (ch in f and (word_start or not f.word_start)))
+                     if f is None or (ch in f and (word_start or not f.word_start)
+                                      and f.can_follow(prev)))
 
     def __bool__(self) -> bool:
         return bool(self.rules)
