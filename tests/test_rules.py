@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -349,6 +350,54 @@ def test_rules_scan_cli_finds_split_patterns():
     }
     card = next(f for f in found if f["rule_id"] == "payment-card-number")
     assert text[card["start"] : card["end"]] == "4111 1111 1111 1111"
+
+
+def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_it_out():
+    from finsieve.policy.first_chars import first_chars
+
+    iban = first_chars(r"(?<![a-z0-9])(?:gb|de)\d{2}[a-z0-9]{11,30}")
+    assert iban is not None and iban.prefixes == {"gb", "de"}
+    assert iban.can_begin("g") and iban.can_begin("gb8") and not iban.can_begin("the")
+    assert iban.can_follow(" ") and iban.can_follow("中") and not iban.can_follow("x")
+    assert not iban.can_follow("7")
+    phrase = first_chars(r"\b(?:annual|yearly) (?:returns?|yields?)")
+    assert phrase is not None and phrase.prefixes == {"ann", "yea"} and phrase.can_follow("x")
+    assert first_chars(r"a{0,2}z").prefixes == {"aaz", "az", "z"}
+    assert first_chars(r"(?:a\d|bc)x").prefixes == {"a", "bcx"}  # "a", then a digit
+    assert first_chars(r"\d+a").prefixes is None
+
+
+def test_start_filters_find_every_match_streaming_finds_without_them():
+    """The default packs streamed in chunks of 1-7 bytes over clean text, identifiers and
+    violations: the same matches with the start filters as with every regex searched."""
+    lines = [ln for ln in (REPO / "tests/data/clean_corpus.txt").read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    lines += [ln.split("\t")[2] for ln in (REPO / "tests/data/identifiers.tsv").read_text().splitlines()
+              if ln and not ln.startswith("#")]
+    lines += ["We offer guaranteed returns on this fund.", "年化收益率超过15%，稳赚不赔。",
+              "Pay with 4111 1111 1111 1111 today.", "Expect returns of 20% a year.",
+              "IBAN GB82 WEST 1234 5698 7654 32, or de89370400440532013000."]
+    filtered, unfiltered = Pack.load(REPO / "rules").output, Pack.load(REPO / "rules").output
+    for f in unfiltered._first:
+        if f is not None:
+            f.not_after, f.prefixes = None, None
+    rng = random.Random(3)
+    found = 0
+    for _ in range(60):
+        data = " ".join(rng.choice(lines) for _ in range(8)).encode()
+        cuts = [0]
+        while cuts[-1] < len(data):
+            cuts.append(cuts[-1] + rng.randint(1, 7))
+        results = []
+        for rules in (filtered, unfiltered):
+            m = StreamMatcher(rules)
+            for a, b in itertools.pairwise(cuts):
+                m.feed(data[a:b])
+            m.finish()
+            results.append([(x.rule.id, x.start, x.end) for x in m.matches])
+        assert results[0] == results[1]
+        found += len(results[0])
+    assert found > 30  # the texts did hold violations
 
 
 def test_regexes_with_negations_and_han_classes_run_only_when_their_first_characters_arrive():
