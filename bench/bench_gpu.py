@@ -271,6 +271,7 @@ def phase_inprocess(args) -> dict:
     from finsieve.engine.loader import load_model
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
+    from finsieve.serve import settle_heap
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
@@ -293,6 +294,7 @@ def phase_inprocess(args) -> dict:
     engine.policy = lambda: NO_POLICY
     run_engine_level(engine, texts, len(texts), 1, 2, burst=True)  # every prompt shape once
     result["graph_replay_ms"] = _graph_replay_ms(engine)
+    settle_heap()  # as `finsieve serve` does once it serves
     levels = []
     result["levels"] = levels
     for n in args.levels:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import secrets
 import signal
 import sys
 import threading
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -105,6 +107,7 @@ async def serve(settings: Settings) -> None:
                 keys, client, rules, stack)
             servers.append(running)
             await _admin(audit, {"event": "server_start", "role": settings.role})
+            settle_heap()
             watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
             await _until(stop, failed)
             watch.cancel()
@@ -116,12 +119,28 @@ async def serve(settings: Settings) -> None:
             await _admin(audit, {"event": "server_stop", "role": settings.role})
             await anchoring.stop()
         else:
+            settle_heap()
             await _until(stop, failed)
             for s in servers:
                 await s.set_serving(False)
     if failed.is_set():
         raise EngineStopped("the engine's device failed; exiting so that it is restarted")
     log.info("stopped")
+
+
+def settle_heap() -> None:
+    """Take what is alive now (the model, the tokenizer, the rule tables: ~500,000 objects)
+    out of the garbage collector's full collections (`gc.freeze`), at start-up and after each
+    rule pack swap. Each full collection walks every tracked object: with 10,000 literal
+    rules it stalled every stream for ~300 ms, each time the requests' objects had piled up
+    enough to trigger one (11 ms once frozen). Rule packs and requests hold no reference
+    cycles, so a pack replaced by a reload is still freed, by reference counting, once no
+    request uses it."""
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("heap settled", frozen_objects=gc.get_freeze_count(),
+             seconds=round(time.perf_counter() - start, 3))
 
 
 async def _until(*events: asyncio.Event) -> None:
@@ -200,7 +219,7 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     policy, version = compile_policy(directory, tokens, luts, limits)
     holder = PolicyHolder(policy, version)
     watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts, limits),
-                           settings.rules_debounce_ms)
+                           settings.rules_debounce_ms, on_swap=settle_heap)
     watcher.start()
     stack.callback(watcher.stop)
     log.info("rules loaded", version=version, rules=len(policy.pack.rules), directory=str(directory))
@@ -219,7 +238,7 @@ def _gateway_rules(settings: Settings, key: bytes,
     policy, version = compile_gateway_policy(directory, key, limits)
     holder = PolicyHolder(policy, version)
     watcher = RulesWatcher(directory, holder, lambda d: compile_gateway_policy(d, key, limits),
-                           settings.rules_debounce_ms)
+                           settings.rules_debounce_ms, on_swap=settle_heap)
     watcher.start()
     stack.callback(watcher.stop)
     return holder

@@ -67,3 +67,43 @@ def test_edits_swap_the_pack_and_a_bad_pack_leaves_the_old_one_in_force(tmp_path
 
 def RULES_REJECTED() -> float:
     return RELOADS.labels("rejected")._value.get()
+
+
+def test_a_swap_is_announced_and_the_replaced_policy_goes_without_the_cyclic_collector(tmp_path):
+    """Serving processes freeze their heap after each swap (gc.freeze): a replaced pack and
+    its masks must be freed by reference counting alone, once the last request using them
+    ends, or every reload would leak the pack it replaced."""
+    import gc
+    import weakref
+
+    from finsieve.policy.guard import Guard, compile_policy
+    from finsieve.policy.masks import TokenTable
+
+    vocab = [bytes([b]) for b in range(256)] + [b" foo", b" bar"]
+    tokens = TokenTable.build(vocab)
+    (tmp_path / "a.yaml").write_text(RULE.format(id="first", pattern="foo"))
+    policy, version = compile_policy(tmp_path, tokens, None)
+    holder = PolicyHolder(policy, version)
+    swaps: list[str] = []
+    watcher = RulesWatcher(tmp_path, holder, lambda d: compile_policy(d, tokens, None),
+                           on_swap=lambda: swaps.append(holder.version))
+    guard = Guard(policy, vocab, 8)  # a request under the first pack fills its memos
+    for token in (257, 32, 102, 111):
+        guard.banned()
+        guard.check(token)
+    refs = [weakref.ref(o) for o in (policy.pack, policy.pack.output, policy.pack.output.literals,
+                                     policy.masks)]
+    del policy
+    gc.disable()
+    try:
+        watcher.start()
+        time.sleep(0.3)  # the watcher is up
+        (tmp_path / "b.yaml").write_text(RULE.format(id="second", pattern="bar"))
+        assert wait_for(lambda: bool(swaps))
+        assert swaps == [holder.version] and holder.version != version
+        assert all(r() is not None for r in refs)  # the request still holds it
+        del guard
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+        watcher.stop()

@@ -34,12 +34,11 @@ import gzip
 import hashlib
 import json
 from collections import OrderedDict
-from functools import lru_cache
 from pathlib import Path
 
 from .matcher import StreamMatcher
 from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk, plain_join
-from .pack import MEMO_CHARS, Literals
+from .pack import MEMO_CHARS, Literals, memoized
 from .scripts import ALNUM, accepts, script_tag
 
 FORMAT = 2
@@ -179,7 +178,7 @@ class MaskTables:
         self._cache_size = cache_size
         # One token after a live suffix: the engine asks this for most sampled tokens, and
         # the same (suffix, token) pairs come back again and again.
-        self._completed_by = lru_cache(maxsize=1 << 16)(self._joined_completes)
+        self._completed_by = memoized(self._joined_completes, 1 << 16)
 
     @classmethod
     def load_or_build(cls, tokens: TokenTable, patterns: list[str], policy_version: str,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +22,16 @@ from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 MEMO_CHARS = 64  # longest text whose answers are memoized (entries are bounded in number)
+
+
+def memoized(method: Callable, maxsize: int) -> Callable:
+    """A bounded, thread-safe memo of a bound method that holds its instance weakly.
+    `lru_cache(maxsize)(self.method)` kept on self is a reference cycle: a pack replaced by a
+    reload would wait for the cyclic garbage collector, which the serving processes keep
+    away from what was alive at start-up (`gc.freeze`, serve.py). Without the cycle,
+    reference counting frees it as soon as no request uses it."""
+    ref = weakref.WeakMethod(method)
+    return lru_cache(maxsize=maxsize)(lambda *args: ref()(*args))  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ class Literals:
         self.max_len = max((len(p) for p in self.keys), default=0)
         # Per token, the matcher and the mask ask for the live depth of a short suffix; the
         # same suffixes come back again and again, so answers are kept (bounded; thread-safe).
-        self._suffix_depth = lru_cache(maxsize=1 << 16)(self._longest_live_suffix)
+        self._suffix_depth = memoized(self._longest_live_suffix, 1 << 16)
 
     def is_live(self, s: str) -> bool:
         """Is s a proper prefix of some pattern (so a match may still grow from it)?"""
@@ -92,10 +104,10 @@ class RuleSet:
         self._first = [first_chars(r.pattern.pattern) for r in self.regexes]
         # A token's characters come back again and again: answers are kept (bounded), per
         # kind of character before them (what the filters below read of it).
-        self._by_char = lru_cache(maxsize=1 << 16)(self._starting_with)
-        self._by_token = lru_cache(maxsize=1 << 16)(self._starting_in)
+        self._by_char = memoized(self._starting_with, 1 << 16)
+        self._by_token = memoized(self._starting_in, 1 << 16)
         self._kinds: dict[tuple[bool, ...], str] = {}
-        self._kind_of = lru_cache(maxsize=1 << 12)(self._representative)
+        self._kind_of = memoized(self._representative, 1 << 12)
 
     def regexes_starting_in(self, new: str, prev: str) -> tuple[int, ...]:
         """Indexes of the regexes whose match can begin in the (normalized) characters

@@ -73,11 +73,13 @@ class RulesWatcher(Generic[T]):
     """Recompiles with `compile(directory) -> (policy, version)` whenever a file changes."""
 
     def __init__(self, directory: Path, holder: PolicyHolder[T],
-                 compile: Callable[[Path], tuple[T, str]], debounce_ms: int = 100) -> None:
+                 compile: Callable[[Path], tuple[T, str]], debounce_ms: int = 100,
+                 on_swap: Callable[[], None] = lambda: None) -> None:
         self.directory = Path(directory)
         self.holder = holder
         self.compile = compile
         self.debounce_ms = debounce_ms
+        self.on_swap = on_swap  # after a new pack is in force (serve.py: settle the heap)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rules-watcher", daemon=True)
 
@@ -106,6 +108,7 @@ class RulesWatcher(Generic[T]):
         self.holder.swap(policy, version)
         RELOADS.labels("loaded").inc()
         log.info("rule pack loaded", version=version)
+        self.on_swap()
         return True
 
     def _reject(self, reason: str, problems: list[str], count: int) -> None:
