@@ -365,6 +365,15 @@ def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_i
     assert first_chars(r"a{0,2}z").prefixes == {"aaz", "az", "z"}
     assert first_chars(r"(?:a\d|bc)x").prefixes == {"a", "bcx"}  # "a", then a digit
     assert first_chars(r"\d+a").prefixes is None
+    # Case as the engine matches it: İ matches the text's i, I also its ı.
+    dotted = first_chars("\u0130x")
+    assert dotted is not None and "i" in dotted and dotted.prefixes == {"ix"}
+    assert first_chars("Ix").prefixes == {"ix", "ıx"}
+    # A lookbehind that not every alternative passes rules nothing out.
+    assert first_chars(r"(?<![a-z])x|b").not_after is None
+    assert first_chars(r"(?:(?<![a-z])|c)b").not_after is None
+    # Syntax Python reads as literal text but `regex` does not: no filter at all.
+    assert first_chars(r"ab{e<=1}") is None and first_chars(r"[[:alpha:]]x") is None
 
 
 def test_start_filters_find_every_match_streaming_finds_without_them():

@@ -12,11 +12,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from re import _constants as c  # type: ignore[attr-defined]
 
 import regex
 
 from .schema import REGEX_FLAGS
+
+try:  # the regex engine's own case equivalences (i ~ I ~ İ, s ~ ſ, k ~ K, σ ~ ς, …)
+    from regex._regex import get_all_cases as _all_cases
+except ImportError:  # without them no filter is sound: every regex runs
+    _all_cases = None
 
 _CATEGORIES = {
     c.CATEGORY_DIGIT: str.isdigit, c.CATEGORY_UNI_DIGIT: str.isdigit,
@@ -54,12 +60,19 @@ class FirstChars:
         return head in self._heads or any(head[:n] in self.prefixes for n in self._lengths)
 
     def __contains__(self, ch: str) -> bool:
+        """Can a match begin with the text character ch (case-insensitively, as the engine
+        matches: ch or any character it takes for ch)?"""
+        return any(self._holds(x) for x in _cases(ch))
+
+    def _holds(self, ch: str) -> bool:
         o = ord(ch)
         return (ch in self.chars or any(lo <= o <= hi for lo, hi in self.ranges)
                 or any(t(ch) for t in self.tests))
 
 
 def first_chars(pattern: str) -> FirstChars | None:
+    if _all_cases is None:
+        return None
     try:
         parsed = re._parser.parse(for_python(pattern), re.IGNORECASE)  # type: ignore[attr-defined]
         out = FirstChars()
@@ -67,8 +80,6 @@ def first_chars(pattern: str) -> FirstChars | None:
             raise _Any  # the pattern can match the empty string
     except (_Any, re.error, Exception):
         return None
-    for ch in list(out.chars):  # the text is case-folded; the pattern may not be
-        out.chars |= {ch.lower(), ch.upper(), ch.casefold()}
     # The first element that consumes or asserts something (a dropped lookbehind leaves "(?:)").
     first = next((item for item in parsed
                   if not (item[0] is c.SUBPATTERN and not list(item[1][-1]))), None)
@@ -126,14 +137,15 @@ def _join(s: str, t: str, k: int) -> str:
 
 def _item_strings(op, av, k: int) -> set[str]:
     if op is c.LITERAL:
-        return {_folded(chr(av))}
+        return _text_chars(chr(av))
     if op is c.IN:
         chars: set[str] = set()
         for kind, value in av:
             if kind is c.LITERAL:
-                chars.add(_folded(chr(value)))
+                chars |= _text_chars(chr(value))
             elif kind is c.RANGE and value[1] - value[0] < 64:
-                chars |= {_folded(chr(o)) for o in range(value[0], value[1] + 1)}
+                for o in range(value[0], value[1] + 1):
+                    chars |= _text_chars(chr(o))
             else:
                 raise _Any  # a category, a negation, a wide range
         return chars
@@ -160,30 +172,39 @@ def _item_strings(op, av, k: int) -> set[str]:
     raise _Any
 
 
-def _folded(ch: str) -> str:
-    """The character as the normalized text holds it (case-folded); one that folds to more
-    than one character, or to another one than lower() gives, is not worth the care."""
-    folded = ch.casefold()
-    if len(folded) != 1 or folded != ch.lower():
-        raise _Any
-    return folded
+def _text_chars(ch: str) -> set[str]:
+    """The characters of the normalized text (case-folded) that the pattern's ch matches:
+    those the engine takes for ch, case-insensitively, that case folding leaves as they are."""
+    found = {x for x in _cases(ch) if x.casefold() == x}
+    if not found:
+        raise _Any  # e.g. ß, which the text holds as "ss": not worth the care
+    return found
+
+
+@lru_cache(maxsize=1 << 14)
+def _cases(ch: str) -> frozenset[str]:
+    """ch and every character the engine takes for it when matching case-insensitively."""
+    return frozenset({ch, *(chr(o) for o in _all_cases(REGEX_FLAGS, ord(ch)))})  # type: ignore[misc]
 
 
 _ONE_CHAR = re.compile(r"\\[dwsDWS]|\[(?:\\.|[^\]\\])+\]|[^\\()[\]|.*+?{}^$]")
 
 
 def _not_after(pattern: str) -> Callable[[str], object] | None:
-    """The pattern begins with a negative lookbehind (`(?<![a-z0-9])`, `(?<!\\d|\\d ?-)`):
-    the characters that one of its one-character alternatives matches. After one of them no
-    match can begin, whatever came before (longer alternatives need more text: ignored)."""
+    """The pattern begins with a negative lookbehind (`(?<![a-z0-9])`, `(?<!\\d|\\d ?-)`)
+    that every match must pass: the characters that one of its one-character alternatives
+    matches. After one of them no match can begin, whatever came before (longer
+    alternatives need more text: ignored). Not when the lookbehind is quantified or an
+    alternative of the pattern goes without it."""
     start = next((n for n in ("(?<!", "(?:(?<!") if pattern.startswith(n)), None)
     if start is None:
         return None
-    alternatives, current, depth = [], [], 0
-    for _, unit, in_class in _units(pattern[len(start):]):
+    alternatives, current, depth, end = [], [], 0, 0
+    for i, unit, in_class in _units(pattern[len(start):]):
         if not in_class and unit in ("(", ")"):
             depth += 1 if unit == "(" else -1
             if depth < 0:
+                end = len(start) + i + 1
                 break
         if not in_class and unit == "|" and depth == 0:
             alternatives.append("".join(current))
@@ -193,10 +214,29 @@ def _not_after(pattern: str) -> Callable[[str], object] | None:
     else:
         return None  # unbalanced
     alternatives.append("".join(current))
+    rest = pattern[end:]
+    if start == "(?:(?<!":
+        if not rest.startswith(")"):
+            return None  # something else shares the group
+        rest = rest[1:]
+    if rest[:1] in ("?", "*", "+", "{") or _has_top_level_bar(rest):
+        return None
     one_char = [a for a in alternatives if _ONE_CHAR.fullmatch(a)]
     if not one_char:
         return None
     return regex.compile("|".join(one_char), REGEX_FLAGS).fullmatch
+
+
+def _has_top_level_bar(pattern: str) -> bool:
+    depth = 0
+    for _, unit, in_class in _units(pattern):
+        if in_class:
+            continue
+        if unit in ("(", ")"):
+            depth += 1 if unit == "(" else -1
+        elif unit == "|" and depth <= 0:
+            return True
+    return False
 
 
 def _seq(items: list, out: FirstChars) -> bool:
@@ -238,6 +278,7 @@ def _item(op, av, out: FirstChars) -> bool:
 
 
 _PROPERTY = re.compile(r"\\[pP](?:\{[^}]*\}|[A-Za-z])")
+_QUANTIFIER = re.compile(r"\{\d*(?:,\d*)?\}")
 
 
 def for_python(pattern: str) -> str:
@@ -247,6 +288,10 @@ def for_python(pattern: str) -> str:
     out: list[str] = []
     dropping = 0  # parentheses open in a lookbehind being removed
     for i, unit, in_class in _units(pattern):
+        # Read by Python as literal characters, by `regex` as fuzzy matching or a POSIX class.
+        if (unit == "{" and not in_class and not _QUANTIFIER.match(pattern, i)) or (
+                unit == "[" and in_class and pattern.startswith(":", i + 1)):
+            raise re.error("regex-only syntax")
         if not in_class and unit in ("(", ")") and (
                 dropping or pattern.startswith(("(?<=", "(?<!"), i)):
             dropping += 1 if unit == "(" else -1
