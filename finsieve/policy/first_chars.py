@@ -24,11 +24,19 @@ try:  # the regex engine's own case equivalences (i ~ I ~ İ, s ~ ſ, k ~ K, σ 
 except ImportError:  # without them no filter is sound: every regex runs
     _all_cases = None
 
+
+
+def _engine_class(pattern: str) -> Callable[[str], bool]:
+    """Membership in a class as the regex engine has it (str.isalnum is not `\\w`)."""
+    match = regex.compile(pattern, REGEX_FLAGS).fullmatch
+    return lambda ch: match(ch) is not None
+
+
+_DIGIT, _SPACE, _WORD = _engine_class(r"\d"), _engine_class(r"\s"), _engine_class(r"\w")
 _CATEGORIES = {
-    c.CATEGORY_DIGIT: str.isdigit, c.CATEGORY_UNI_DIGIT: str.isdigit,
-    c.CATEGORY_SPACE: str.isspace, c.CATEGORY_UNI_SPACE: str.isspace,
-    c.CATEGORY_WORD: lambda ch: ch.isalnum() or ch == "_",
-    c.CATEGORY_UNI_WORD: lambda ch: ch.isalnum() or ch == "_",
+    c.CATEGORY_DIGIT: _DIGIT, c.CATEGORY_UNI_DIGIT: _DIGIT,
+    c.CATEGORY_SPACE: _SPACE, c.CATEGORY_UNI_SPACE: _SPACE,
+    c.CATEGORY_WORD: _WORD, c.CATEGORY_UNI_WORD: _WORD,
 }
 
 
@@ -85,9 +93,9 @@ def first_chars(pattern: str) -> FirstChars | None:
                   if not (item[0] is c.SUBPATTERN and not list(item[1][-1]))), None)
     word_chars = (all(ch.isalnum() for ch in out.chars)
                   and all(chr(lo).isalnum() and chr(hi).isalnum() for lo, hi in out.ranges)
-                  and all(t is str.isdigit for t in out.tests))
+                  and all(t is _DIGIT for t in out.tests))
     out.word_start = first == (c.AT, c.AT_BOUNDARY) and word_chars
-    out.not_after = _not_after(pattern)
+    out.not_after = _not_after(pattern, list(parsed))
     try:
         prefixes = {p.rstrip(_OPEN) for p in _seq_strings(list(parsed), PREFIX_CHARS)}
         if "" in prefixes:
@@ -190,21 +198,20 @@ def _cases(ch: str) -> frozenset[str]:
 _ONE_CHAR = re.compile(r"\\[dwsDWS]|\[(?:\\.|[^\]\\])+\]|[^\\()[\]|.*+?{}^$]")
 
 
-def _not_after(pattern: str) -> Callable[[str], object] | None:
+def _not_after(pattern: str, parsed: list) -> Callable[[str], object] | None:
     """The pattern begins with a negative lookbehind (`(?<![a-z0-9])`, `(?<!\\d|\\d ?-)`)
     that every match must pass: the characters that one of its one-character alternatives
     matches. After one of them no match can begin, whatever came before (longer
-    alternatives need more text: ignored). Not when the lookbehind is quantified or an
-    alternative of the pattern goes without it."""
+    alternatives need more text: ignored). Every match passes it when the parse begins
+    with its placeholder (`for_python`) as such: not quantified, not in an alternation."""
     start = next((n for n in ("(?<!", "(?:(?<!") if pattern.startswith(n)), None)
-    if start is None:
+    if start is None or not parsed or not _is_placeholder(parsed[0]):
         return None
-    alternatives, current, depth, end = [], [], 0, 0
-    for i, unit, in_class in _units(pattern[len(start):]):
+    alternatives, current, depth = [], [], 0
+    for _, unit, in_class in _units(pattern[len(start):]):
         if not in_class and unit in ("(", ")"):
             depth += 1 if unit == "(" else -1
             if depth < 0:
-                end = len(start) + i + 1
                 break
         if not in_class and unit == "|" and depth == 0:
             alternatives.append("".join(current))
@@ -214,29 +221,14 @@ def _not_after(pattern: str) -> Callable[[str], object] | None:
     else:
         return None  # unbalanced
     alternatives.append("".join(current))
-    rest = pattern[end:]
-    if start == "(?:(?<!":
-        if not rest.startswith(")"):
-            return None  # something else shares the group
-        rest = rest[1:]
-    if rest[:1] in ("?", "*", "+", "{") or _has_top_level_bar(rest):
-        return None
     one_char = [a for a in alternatives if _ONE_CHAR.fullmatch(a)]
     if not one_char:
         return None
     return regex.compile("|".join(one_char), REGEX_FLAGS).fullmatch
 
 
-def _has_top_level_bar(pattern: str) -> bool:
-    depth = 0
-    for _, unit, in_class in _units(pattern):
-        if in_class:
-            continue
-        if unit in ("(", ")"):
-            depth += 1 if unit == "(" else -1
-        elif unit == "|" and depth <= 0:
-            return True
-    return False
+def _is_placeholder(item: tuple) -> bool:
+    return item[0] is c.SUBPATTERN and not list(item[1][-1])
 
 
 def _seq(items: list, out: FirstChars) -> bool:
@@ -283,7 +275,7 @@ _QUANTIFIER = re.compile(r"\{\d*(?:,\d*)?\}")
 
 def for_python(pattern: str) -> str:
     """The pattern as Python's parser can read it, with the same first characters: every
-    `(?<=…)` and `(?<!…)` group removed (zero-width), and every `regex`-only property class
+    `(?<=…)` and `(?<!…)` group made an empty group (zero-width), every `regex`-only class
     (`\\p{Han}`) made "any character" (escapes and character classes respected)."""
     out: list[str] = []
     dropping = 0  # parentheses open in a lookbehind being removed
@@ -294,6 +286,10 @@ def for_python(pattern: str) -> str:
             raise re.error("regex-only syntax")
         if not in_class and unit in ("(", ")") and (
                 dropping or pattern.startswith(("(?<=", "(?<!"), i)):
+            if not dropping:
+                # An empty group holds its place: a quantifier after it stays its own, and
+                # _not_after sees whether every match passes the lookbehind.
+                out.append("()")
             dropping += 1 if unit == "(" else -1
             continue
         if dropping:

@@ -188,7 +188,7 @@ class StreamMatcher:
         # Only regexes with a match in the making, or whose match can begin with one of
         # the new characters, can change; a new match can only begin in the new text.
         active = dict(self._in_making)
-        prev = self._window[-len(new) - 1] if len(self._window) > len(new) else " "
+        prev = self.norm.text[before - 1] if before else ""  # "" at the start: nothing
         for i in self.rules.regexes_starting_in(new, prev):
             active.setdefault(i, before)
         self._in_making = {}

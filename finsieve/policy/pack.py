@@ -22,6 +22,7 @@ from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 MEMO_CHARS = 64  # longest text whose answers are memoized (entries are bounded in number)
+_WORD = regex.compile(r"\w", REGEX_FLAGS).fullmatch
 
 
 def memoized(method: Callable, maxsize: int) -> Callable:
@@ -111,7 +112,7 @@ class RuleSet:
 
     def regexes_starting_in(self, new: str, prev: str) -> tuple[int, ...]:
         """Indexes of the regexes whose match can begin in the (normalized) characters
-        `new`; `prev`: the character before them (" " at the start)."""
+        `new`; `prev`: the character before them ("" at the start)."""
         if len(new) > MEMO_CHARS:
             # A whole text (input rules, audit masking): one search per regex, in C with the
             # GIL released, costs less than finding out in Python which ones can start.
@@ -171,8 +172,8 @@ class Pack:
 
 
 def is_word(ch: str) -> bool:
-    """A character of a word, as regex's \\b sees it."""
-    return ch.isalnum() or ch == "_"
+    """A character of a word, as regex's \\b sees it ("" before the text: none)."""
+    return _WORD(ch) is not None
 
 
 def _version(rules: list[Rule]) -> str:
