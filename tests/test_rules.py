@@ -379,6 +379,13 @@ def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_i
     assert first_chars(r"a(?<!b){2}c").prefixes == {"a"}  # the {2} repeats the lookbehind
 
 
+def test_every_default_pack_regex_runs_only_where_it_can_start():
+    """No shipped regex falls back to being searched after every token (a character class
+    with ":" once read as a POSIX class did that to the Chinese account-number rule)."""
+    rules = Pack.load(REPO / "rules").output
+    assert [r.rule.id for r, f in zip(rules.regexes, rules._first, strict=True) if f is None] == []
+
+
 def test_start_filters_find_every_match_streaming_finds_without_them():
     """The default packs streamed in chunks of 1-7 bytes over clean text, identifiers and
     violations: the same matches with the start filters as with every regex searched."""

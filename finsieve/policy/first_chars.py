@@ -279,11 +279,14 @@ def for_python(pattern: str) -> str:
     (`\\p{Han}`) made "any character" (escapes and character classes respected)."""
     out: list[str] = []
     dropping = 0  # parentheses open in a lookbehind being removed
+    was_in_class = False
     for i, unit, in_class in _units(pattern):
-        # Read by Python as literal characters, by `regex` as fuzzy matching or a POSIX class.
+        # Read by Python as literal characters, by `regex` as fuzzy matching or a POSIX class
+        # (`[[:alpha:]]`: a "[:" inside a class).
         if (unit == "{" and not in_class and not _QUANTIFIER.match(pattern, i)) or (
-                unit == "[" and in_class and pattern.startswith(":", i + 1)):
+                unit == "[" and was_in_class and pattern.startswith(":", i + 1)):
             raise re.error("regex-only syntax")
+        was_in_class = in_class
         if not in_class and unit in ("(", ")") and (
                 dropping or pattern.startswith(("(?<=", "(?<!"), i)):
             if not dropping:
