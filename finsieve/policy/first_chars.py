@@ -1,10 +1,14 @@
-"""Which characters can begin a regex match: lets the matcher skip regexes that cannot start.
+"""Where a regex match can begin: lets the matcher skip regexes that cannot start.
 
-Read off Python's own regex parser. Lookbehinds are zero-width, so they are dropped first
-(Python's parser refuses the variable-width ones that `regex` accepts, and the phrase
-families use them for negations), and `regex`-only property classes read as "any
-character". Anything else it cannot read (another `regex`-only construct, a negated class,
-`.`) answers None: "any character", and that regex always runs.
+Read off Python's own regex parser: the first characters, the first three (`prefixes`),
+and the characters a leading negative lookbehind rules out before a match (`not_after`).
+Lookbehinds are zero-width, so each is replaced by an empty group first (Python's parser
+refuses the variable-width ones that `regex` accepts, and the phrase families use them for
+negations), and `regex`-only property classes read as "any character". Case and classes
+are the regex engine's own (its case equivalences, its word characters). Anything it cannot read, or
+reads otherwise than `regex` (fuzzy matching, POSIX classes), a negated class or `.`:
+"anything", and that regex always runs. Every answer may be larger than the truth, never
+smaller: a filter that skipped a possible match would let a violation through.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ try:  # the regex engine's own case equivalences (i ~ I ~ İ, s ~ ſ, k ~ K, σ 
     from regex._regex import get_all_cases as _all_cases
 except ImportError:  # without them no filter is sound: every regex runs
     _all_cases = None
-
 
 
 def _engine_class(pattern: str) -> Callable[[str], bool]:
@@ -88,12 +91,12 @@ def first_chars(pattern: str) -> FirstChars | None:
             raise _Any  # the pattern can match the empty string
     except (_Any, re.error, Exception):
         return None
-    # The first element that consumes or asserts something (a dropped lookbehind leaves "(?:)").
-    first = next((item for item in parsed
-                  if not (item[0] is c.SUBPATTERN and not list(item[1][-1]))), None)
-    word_chars = (all(ch.isalnum() for ch in out.chars)
-                  and all(chr(lo).isalnum() and chr(hi).isalnum() for lo, hi in out.ranges)
-                  and all(t is _DIGIT for t in out.tests))
+    # The first element that consumes or asserts something (a lookbehind leaves "()").
+    first = next((item for item in parsed if not _is_placeholder(item)), None)
+    word_chars = (all(_WORD(ch) for ch in out.chars)
+                  and all(hi - lo < 4096 and all(_WORD(chr(o)) for o in range(lo, hi + 1))
+                          for lo, hi in out.ranges)
+                  and all(t in (_DIGIT, _WORD) for t in out.tests))
     out.word_start = first == (c.AT, c.AT_BOUNDARY) and word_chars
     out.not_after = _not_after(pattern, list(parsed))
     try:
