@@ -377,6 +377,8 @@ def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_i
     assert "g" in first_chars(r"[A-Z]{2}\d{2}")  # a class is matched case-insensitively too
     assert first_chars(r"(?<![a-z])?x").not_after is None  # quantified: it may not apply
     assert first_chars(r"a(?<!b){2}c").prefixes == {"a"}  # the {2} repeats the lookbehind
+    # \b before a class that holds ":" too: a start after a letter is possible ("a:x").
+    assert first_chars(r"\b[a-z]x").word_start and not first_chars(r"\b[0-z]x").word_start
 
 
 def test_every_default_pack_regex_runs_only_where_it_can_start():
