@@ -421,6 +421,16 @@ def test_start_filters_find_every_match_streaming_finds_without_them():
     assert found > 30  # the texts did hold violations
 
 
+def test_a_pattern_that_searches_backwards_is_refused(tmp_path):
+    """`(?r)` makes `regex` search from the end: the streaming matcher would report only the
+    last match (and could loop), so a pack with one is refused at its line."""
+    write(tmp_path, "a.yaml", "rules:\n  - id: r\n    description: t\n    kind: regex\n"
+                              "    patterns: ['(?r)foo']\n    action: block\n")
+    with pytest.raises(PackError) as e:
+        Pack.load(tmp_path)
+    assert "a.yaml:5: r: patterns: '(?r)foo' searches backwards ((?r)): not supported" in str(e.value)
+
+
 def test_a_lookbehind_at_the_start_of_the_answer_sees_nothing_before_it(tmp_path):
     """Nothing precedes the first character: `(?<!\\s)` passes there (it was taken for a
     space, and the match was never searched)."""

@@ -298,9 +298,12 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
                 problem("patterns", f"{_show(p)} {why}")
                 continue
             try:
-                regex.compile(expanded, REGEX_FLAGS)
+                reverse = regex.compile(expanded, REGEX_FLAGS).flags & regex.REVERSE
             except (regex.error, RecursionError, MemoryError, OverflowError, ValueError) as e:
                 problem("patterns", f"{_show(p)} does not compile: {e}")
+                continue
+            if reverse:  # the streaming matcher searches forwards from where a match may start
+                problem("patterns", f"{_show(p)} searches backwards ((?r)): not supported")
                 continue
             compiled.append(expanded)
             widths.append(_max_width(expanded))
