@@ -35,11 +35,12 @@ def _engine_class(pattern: str) -> Callable[[str], bool]:
     return lambda ch: match(ch) is not None
 
 
-_DIGIT, _SPACE, _WORD = _engine_class(r"\d"), _engine_class(r"\s"), _engine_class(r"\w")
+_DIGIT, _SPACE = _engine_class(r"\d"), _engine_class(r"\s")
+is_word = _engine_class(r"\w")  # a word character, as \w and \b see it ("": none)
 _CATEGORIES = {
     c.CATEGORY_DIGIT: _DIGIT, c.CATEGORY_UNI_DIGIT: _DIGIT,
     c.CATEGORY_SPACE: _SPACE, c.CATEGORY_UNI_SPACE: _SPACE,
-    c.CATEGORY_WORD: _WORD, c.CATEGORY_UNI_WORD: _WORD,
+    c.CATEGORY_WORD: is_word, c.CATEGORY_UNI_WORD: is_word,
 }
 
 
@@ -93,10 +94,10 @@ def first_chars(pattern: str) -> FirstChars | None:
         return None
     # The first element that consumes or asserts something (a lookbehind leaves "()").
     first = next((item for item in parsed if not _is_placeholder(item)), None)
-    word_chars = (all(_WORD(ch) for ch in out.chars)
-                  and all(hi - lo < 4096 and all(_WORD(chr(o)) for o in range(lo, hi + 1))
+    word_chars = (all(is_word(ch) for ch in out.chars)
+                  and all(hi - lo < 4096 and all(is_word(chr(o)) for o in range(lo, hi + 1))
                           for lo, hi in out.ranges)
-                  and all(t in (_DIGIT, _WORD) for t in out.tests))
+                  and all(t in (_DIGIT, is_word) for t in out.tests))
     out.word_start = first == (c.AT, c.AT_BOUNDARY) and word_chars
     out.not_after = _not_after(pattern, list(parsed))
     try:

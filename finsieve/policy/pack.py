@@ -14,7 +14,7 @@ from pathlib import Path
 import ahocorasick
 import regex
 
-from .first_chars import first_chars
+from .first_chars import first_chars, is_word
 from .normalize import VIEW_VERSION
 from .schema import REGEX_FLAGS, Rule, load_rules
 from .scripts import regex_scripts, scripts_of
@@ -22,7 +22,6 @@ from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 MEMO_CHARS = 64  # longest text whose answers are memoized (entries are bounded in number)
-_WORD = regex.compile(r"\w", REGEX_FLAGS).fullmatch
 
 
 def memoized(method: Callable, maxsize: int) -> Callable:
@@ -169,11 +168,6 @@ class Pack:
 
     def rule(self, rule_id: str) -> Rule | None:
         return next((r for r in self.rules if r.id == rule_id), None)
-
-
-def is_word(ch: str) -> bool:
-    """A character of a word, as regex's \\b sees it ("" before the text: none)."""
-    return _WORD(ch) is not None
 
 
 def _version(rules: list[Rule]) -> str:
