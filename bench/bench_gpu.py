@@ -780,8 +780,75 @@ def phase_profile(args) -> dict:
                                                 "of_copy": rate / bandwidth if bandwidth else None}
             print(f"  matmul {name:>9} x {rows:>2} rows: {ms * 1000:7.1f} us, {rate / 1e12:.2f} TB/s"
                   + (f" ({rate / bandwidth:.0%} of copy)" if bandwidth else ""), flush=True)
+    out["one_row"] = _one_row_paths(m)
+    out["gemv"] = _gemv_tiles(m, bandwidth)
     out["attention"] = _attention_configs(m, bandwidth)
     return out
+
+
+def _one_row_paths(m) -> dict:
+    """A one-row decode step's device time through the GEMV kernels and through the
+    compiled layers with cuBLAS (what every other batch size runs)."""
+    import torch
+
+    ids, positions, slots = (torch.tensor([v], device="cuda") for v in (1000, 500, 0))
+    out = {}
+    for label, on in (("gemv", True), ("compiled", False)):
+        m.gemv, was = on, m.gemv
+        out[label] = _graph_ms(lambda: m.decode(ids, positions, slots), reps=4)
+        m.gemv = was
+        print(f"  one row through {label:>8}: {out[label]:.3f} ms/step", flush=True)
+    return out
+
+
+def _gemv_tiles(m, bandwidth: float | None) -> dict:
+    """Each GEMV kernel of a layer over its weight at one row, per tile: microseconds and
+    share of the copy rate; the current tiles and the best five."""
+    import torch
+
+    from finsieve.engine import gemv
+
+    layer, hd = m.layers[0], m.head_dim
+    hidden = layer.wo.shape[0]
+    x = torch.randn(hidden, device="cuda", dtype=m.dtype)
+    h = torch.randn(layer.w_down.shape[1], device="cuda", dtype=m.dtype)
+    position = torch.tensor([500], device="cuda")
+    rope_rows = (m.n_heads + m.n_kv_heads) * hd
+    calls = {
+        "qkv": (layer.wqkv, lambda t: gemv.norm_qkv_rope(x, layer.attn_norm, m.eps, layer.wqkv,
+                                                         layer.bqkv, m.cos, m.sin, position,
+                                                         rope_rows, t)),
+        "o": (layer.wo, lambda t: gemv.add_matmul(x[: layer.wo.shape[1]], layer.wo, x.clone(), t)),
+        "gate_up": (layer.w_gate_up, lambda t: gemv.norm_gate_up_silu(x, layer.mlp_norm, m.eps,
+                                                                      layer.w_gate_up, t)),
+        "down": (layer.w_down, lambda t: gemv.add_matmul(h, layer.w_down, x.clone(), t)),
+    }
+    results: dict = {}
+    for name, (w, call) in calls.items():
+        timings = []
+        for block_n, block_k, warps, stages in itertools.product(
+                (4, 8, 16), (256, 512, 1024), (4, 8), (1, 3)):
+            tile = gemv.Tile(block_n, block_k, warps, stages)
+            if not gemv.fits(hidden, layer.w_down.shape[1], hd, {**gemv.TILES, name: tile}):
+                continue
+            try:
+                us = 1000 * _graph_ms(functools.partial(call, tile))
+            except Exception as e:  # a tile the compiler refuses: skip it
+                print(f"  gemv {name} {tile}: {e!r:.120}", flush=True)
+                continue
+            rate = w.numel() * w.element_size() / (us / 1e6)
+            timings.append({"tile": [block_n, block_k, warps, stages], "us": us,
+                            "of_copy": rate / bandwidth if bandwidth else None})
+        timings.sort(key=lambda t: t["us"])
+        now = gemv.TILES[name]
+        current = next((t for t in timings if t["tile"] == [now.block_n, now.block_k, now.warps,
+                                                            now.stages]), None)
+        results[name] = {"best": timings[:5], "current": current}
+        for label, t in [("current", current), *(("best", t) for t in timings[:3])]:
+            if t:
+                print(f"  gemv {name:>7} {label:>7}: tile {t['tile']}: {t['us']:6.1f} us"
+                      + (f" ({t['of_copy']:.0%} of copy)" if t["of_copy"] else ""), flush=True)
+    return results
 
 
 def _graph_ms(fn, reps: int = 28) -> float:
@@ -829,7 +896,7 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
         kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * cache_k.element_size()
         timings = []
         for split_len, block_n, warps, stages in itertools.product(
-                (64, 128, 256), (32, 64, 128), (2, 4), (2, 3)):
+                (64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)):
             if block_n > split_len:
                 continue
             try:

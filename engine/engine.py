@@ -456,6 +456,7 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
             continue
         mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else []),
                          *(["triton-attention"] if kernels else []),
+                         *(["gemv-one-row"] if kernels and compact.gemv else []),
                          *(["varlen-prefill"] if compact.varlen_prefill else [])])
         return compact, runner, mode
     raise RuntimeError("no runner could be built")

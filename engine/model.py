@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import gemv
 from .attention import VarlenKeys, decode_attention, prefill_attention, split_len_for, varlen_prefill
 from .kv_cache import SlotKVCache
 
@@ -85,6 +86,9 @@ class CompactLM:
         )
         self.n_slots = n_slots
         self.split_len = split_len_for(max_len)
+        # One row decodes through the GEMV kernels (gemv.py) where they take the shapes.
+        self.gemv = self.device.type == "cuda" and gemv.fits(
+            cfg.hidden_size, self.layers[0].w_down.shape[1], self.head_dim)
         self._eager = self._layer_parts(F.linear)
         self._tiled = self._layer_parts(self._tiled_linear) if row_tile else None
         self.set_compiled(False)
@@ -120,6 +124,8 @@ class CompactLM:
     @torch.inference_mode()
     def decode(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab) logits."""
+        if self.gemv and self.split_len and ids.shape[0] == 1:
+            return self._decode_one(ids, positions, slots)
         x = self.embed[ids]
         delta = torch.zeros_like(x)
         lengths = positions + 1
@@ -130,6 +136,22 @@ class CompactLM:
             x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                         layer.w_gate_up, layer.w_down)
         return self._head(x + delta, self._tiled_linear if self.row_tile else F.linear)
+
+    def _decode_one(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """decode for one row: four GEMV kernels and the attention per layer."""
+        nh, nkv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
+        x = self.embed[ids][0]  # the residual stream, updated in place
+        lengths = positions + 1
+        for i, layer in enumerate(self.layers):
+            qkv = gemv.norm_qkv_rope(x, layer.attn_norm, eps, layer.wqkv, layer.bqkv,
+                                     self.cos, self.sin, positions, (nh + nkv) * hd)
+            q, k, v = qkv.view(1, -1, hd).split([nh, nkv, nkv], 1)
+            attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
+                                    self.split_len)
+            gemv.add_matmul(attn.view(-1), layer.wo, x, gemv.TILES["o"])
+            h = gemv.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up)
+            gemv.add_matmul(h, layer.w_down, x, gemv.TILES["down"])
+        return self._head(x[None], F.linear)
 
     @torch.inference_mode()
     def prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:

@@ -1,0 +1,173 @@
+"""One row's decode step: each layer's matmuls as GEMV kernels, the elementwise work inside.
+
+At one row a step reads every weight once and computes almost nothing, so what is left
+above the bandwidth floor is the number of kernels and the time between them. The compiled
+path (cuBLAS + torch.compile) runs 14 kernels per layer at one row (norm, matmul, two RoPE,
+attention and merge, matmul and split-K reduce, norm, matmul, SiLU, matmul and reduce, a
+copy): on an H200, 4.5 ms a step for a 3.2 ms floor. Here a layer is four GEMVs around
+the attention:
+
+    qkv  = rope(rms_norm(x) @ Wqkv.T + b)     the norm's 1/rms applied after the sum
+    x   += attn @ Wo.T
+    h    = silu(rms_norm(x) @ Wgate.T) * (rms_norm(x) @ Wup.T)
+    x   += h @ Wdown.T
+
+Each program owns BLOCK_N output rows, two blocks where a pair meets in the epilogue (the
+two RoPE halves of a head; the gate and up rows of a unit), and sums them over the whole
+K: no split-K, so no reduce kernel and one fixed order of summation (a replay is exact,
+and a row's result depends on nothing else). Programs read the input row whole, so each
+computes the norm itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch ships no Triton
+    triton = None
+
+PLAIN, ROPE, SILU = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Output rows per program (per block of a pair), K per iteration, warps, stages
+    (`bench_gpu.py --phases profile` times the alternatives on the device)."""
+
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 1
+
+
+# Per matmul; a smaller block_k is used where it does not divide K.
+TILES = {"qkv": Tile(8, 512), "o": Tile(8, 512), "gate_up": Tile(8, 512), "down": Tile(8, 512)}
+
+
+def block_k_for(k: int, block_k: int) -> int:
+    """The largest power of two up to block_k that divides k (0: none of at least 16)."""
+    while block_k >= 16 and k % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else 0
+
+
+def fits(hidden: int, intermediate: int, head_dim: int, tiles: dict[str, Tile] = TILES) -> bool:
+    """Can every matmul of a layer of this shape run here (tiles divide the rows, and K)?"""
+    half = head_dim // 2
+    return (triton is not None and half % tiles["qkv"].block_n == 0
+            and intermediate % tiles["gate_up"].block_n == 0
+            and hidden % tiles["o"].block_n == 0 and hidden % tiles["down"].block_n == 0
+            and block_k_for(hidden, tiles["qkv"].block_k) > 0
+            and block_k_for(intermediate, tiles["down"].block_k) > 0)
+
+
+def norm_qkv_rope(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+                  cos: Tensor, sin: Tensor, position: Tensor, rope_rows: int,
+                  tile: Tile = TILES["qkv"]) -> Tensor:
+    """x (hidden,) -> q, k, v back to back (rows of w,), RoPE on the first rope_rows rows."""
+    out = torch.empty(w.shape[0], device=x.device, dtype=x.dtype)
+    half = cos.shape[-1] // 2
+    _launch(ROPE, x, w, out, tile, w.shape[0] // (2 * tile.block_n), norm=norm, eps=eps,
+            bias=bias, cos=cos, sin=sin, position=position, pair_offset=half,
+            rope_rows=rope_rows, half=half)
+    return out
+
+
+def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile) -> None:
+    """residual += x @ w.T, in place."""
+    _launch(PLAIN, x, w, residual, tile, w.shape[0] // tile.block_n, residual=residual)
+
+
+def norm_gate_up_silu(x: Tensor, norm: Tensor, eps: float, w: Tensor,
+                      tile: Tile = TILES["gate_up"]) -> Tensor:
+    """x (hidden,) -> silu(gate) * up, w holding the gate rows then the up rows."""
+    units = w.shape[0] // 2
+    out = torch.empty(units, device=x.device, dtype=x.dtype)
+    _launch(SILU, x, w, out, tile, units // tile.block_n, norm=norm, eps=eps, pair_offset=units)
+    return out
+
+
+def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: int, *,
+            norm: Tensor | None = None, eps: float = 0.0, bias: Tensor | None = None,
+            residual: Tensor | None = None, cos: Tensor | None = None, sin: Tensor | None = None,
+            position: Tensor | None = None, pair_offset: int = 0, rope_rows: int = 0,
+            half: int = 1) -> None:
+    k = w.shape[1]
+    # Unused pointers get a real tensor: Triton needs an address, the kernel never reads it.
+    _gemv_kernel[(programs,)](
+        x, norm if norm is not None else w, w, bias if bias is not None else w,
+        residual if residual is not None else out, out,
+        cos if cos is not None else w, sin if sin is not None else w,
+        position if position is not None else out,
+        k, pair_offset, rope_rows, eps,
+        MODE=mode, NORM=norm is not None, HAS_BIAS=bias is not None,
+        RESIDUAL=residual is not None, HALF=half,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k),
+        num_warps=tile.warps, num_stages=tile.stages,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(X, Norm, W, Bias, Res, Out, Cos, Sin, Pos,
+                     K, pair_offset, rope_rows, eps,
+                     MODE: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RESIDUAL: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        r = tl.arange(0, BLOCK_N)
+        if MODE == 1:  # rows j and j + HALF of one head
+            per_head = HALF // BLOCK_N
+            lo = (pid // per_head) * (2 * HALF) + (pid % per_head) * BLOCK_N + r
+        else:
+            lo = pid * BLOCK_N + r
+        hi = lo + pair_offset
+        w_lo = W + lo.to(tl.int64)[:, None] * K
+        w_hi = W + hi.to(tl.int64)[:, None] * K
+        # Products accumulate per lane and are summed once at the end (no reduction per tile).
+        acc_lo = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_hi = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + k).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(Norm + k).to(tl.float32)
+            acc_lo += tl.load(w_lo + k[None, :]).to(tl.float32) * x[None, :]
+            if MODE != 0:
+                acc_hi += tl.load(w_hi + k[None, :]).to(tl.float32) * x[None, :]
+        out_lo = tl.sum(acc_lo, 1)
+        out_hi = tl.sum(acc_hi, 1)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+            out_lo = out_lo * rstd
+            out_hi = out_hi * rstd
+        if HAS_BIAS:
+            out_lo += tl.load(Bias + lo).to(tl.float32)
+            out_hi += tl.load(Bias + hi).to(tl.float32)
+        if MODE == 1:
+            # cos and sin hold each frequency twice (positions, 2 * HALF): column j serves
+            # both halves. The value rows (past rope_rows) pass unrotated.
+            table = tl.load(Pos) * (2 * HALF) + lo % (2 * HALF)
+            cos = tl.load(Cos + table).to(tl.float32)
+            sin = tl.load(Sin + table).to(tl.float32)
+            rotate = lo < rope_rows
+            tl.store(Out + lo, tl.where(rotate, out_lo * cos - out_hi * sin, out_lo)
+                     .to(Out.dtype.element_ty))
+            tl.store(Out + hi, tl.where(rotate, out_hi * cos + out_lo * sin, out_hi)
+                     .to(Out.dtype.element_ty))
+        elif MODE == 2:
+            silu = out_lo / (1.0 + tl.exp(-out_lo))
+            tl.store(Out + lo, (silu * out_hi).to(Out.dtype.element_ty))
+        else:
+            if RESIDUAL:
+                out_lo += tl.load(Res + lo).to(tl.float32)
+            tl.store(Out + lo, out_lo.to(Out.dtype.element_ty))
