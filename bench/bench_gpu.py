@@ -811,7 +811,6 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
     layer, hd = m.layers[0], m.head_dim
     hidden = layer.wo.shape[0]
     x = torch.randn(hidden, device="cuda", dtype=m.dtype)
-    h = torch.randn(layer.w_down.shape[1], device="cuda", dtype=m.dtype)
     position = torch.tensor([500], device="cuda")
     rope_rows = (m.n_heads + m.n_kv_heads) * hd
     calls = {
@@ -821,7 +820,6 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
         "o": (layer.wo, lambda t: gemv.add_matmul(x[: layer.wo.shape[1]], layer.wo, x.clone(), t)),
         "gate_up": (layer.w_gate_up, lambda t: gemv.norm_gate_up_silu(x, layer.mlp_norm, m.eps,
                                                                       layer.w_gate_up, t)),
-        "down": (layer.w_down, lambda t: gemv.add_matmul(h, layer.w_down, x.clone(), t)),
     }
     results: dict = {}
     for name, (w, call) in calls.items():
@@ -829,7 +827,8 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
         for block_n, block_k, warps, stages in itertools.product(
                 (4, 8, 16), (256, 512, 1024), (4, 8), (1, 3)):
             tile = gemv.Tile(block_n, block_k, warps, stages)
-            if not gemv.fits(hidden, layer.w_down.shape[1], hd, {**gemv.TILES, name: tile}):
+            if not gemv.fits(hidden, layer.w_down.shape[1], m.n_heads, hd,
+                             {**gemv.TILES, name: tile}):
                 continue
             try:
                 us = 1000 * _graph_ms(functools.partial(call, tile))
