@@ -812,7 +812,6 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
     layer, hd = m.layers[0], m.head_dim
     hidden = layer.wo.shape[0]
     x = torch.randn(hidden, device="cuda", dtype=m.dtype)
-    h = torch.randn(layer.w_down.shape[1], device="cuda", dtype=m.dtype)
     position = torch.tensor([500], device="cuda")
     rope_rows = (m.n_heads + m.n_kv_heads) * hd
     calls = {
@@ -822,15 +821,15 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
         "o": (layer.wo, lambda t: gemv.add_matmul(x[: layer.wo.shape[1]], layer.wo, x.clone(), t)),
         "gate_up": (layer.w_gate_up, lambda t: gemv.norm_gate_up_silu(x, layer.mlp_norm, m.eps,
                                                                       layer.w_gate_up, t)),
-        "down": (layer.w_down, lambda t: gemv.add_matmul(h, layer.w_down, x.clone(), t)),
     }
     results: dict = {}
     for name, (w, call) in calls.items():
         timings = []
         for block_n, block_k, warps, stages in itertools.product(
-                (2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8), (1,)):
+                (2, 4, 8, 16), (256, 512, 1024), (4, 8), (1,)):
             tile = gemv.Tile(block_n, block_k, warps, stages)
-            if not gemv.fits(hidden, layer.w_down.shape[1], hd, {**gemv.TILES, name: tile}):
+            if not gemv.fits(hidden, layer.w_down.shape[1], m.n_heads, hd,
+                             {**gemv.TILES, name: tile}):
                 continue
             try:
                 us = 1000 * _graph_ms(functools.partial(call, tile))
@@ -849,9 +848,6 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
             if t:
                 print(f"  gemv {name:>7} {label:>7}: tile {t['tile']}: {t['us']:6.1f} us"
                       + (f" ({t['of_copy']:.0%} of copy)" if t["of_copy"] else ""), flush=True)
-    y = x.clone()[None]  # what cuBLAS does with the down projection and its residual
-    results["down_cublas_us"] = 1000 * _graph_ms(lambda: y.addmm_(h[None], layer.w_down.t()))
-    print(f"  cuBLAS addmm_ down: {results['down_cublas_us']:6.1f} us", flush=True)
     return results
 
 

@@ -4,19 +4,21 @@ At one row a step reads every weight once and computes almost nothing, so what i
 above the bandwidth floor is the number of kernels and the time between them. The compiled
 path (cuBLAS + torch.compile) runs 14 kernels per layer at one row (norm, matmul, two RoPE,
 attention and merge, matmul and split-K reduce, norm, matmul, SiLU, matmul and reduce, a
-copy): on an H200, 4.5 ms a step for a 3.2 ms floor. Here a layer is four GEMVs around
-the attention:
+copy): on an H200, 4.5 ms a step for a 3.2 ms floor. Here a layer is three GEMVs around
+the attention, and cuBLAS for the last matmul:
 
     qkv  = rope(rms_norm(x) @ Wqkv.T + b)     the norm's 1/rms applied after the sum
     x   += attn @ Wo.T
     h    = silu(rms_norm(x) @ Wgate.T) * (rms_norm(x) @ Wup.T)
-    x   += h @ Wdown.T
+    x   += h @ Wdown.T                        cuBLAS addmm (split-K over the long K)
 
 Each program owns BLOCK_N output rows, two blocks where a pair meets in the epilogue (the
 two RoPE halves of a head; the gate and up rows of a unit), and sums them over the whole
 K: no split-K, so no reduce kernel and one fixed order of summation (a replay is exact,
 and a row's result depends on nothing else). Programs read the input row whole, so each
-computes the norm itself.
+computes the norm itself. The down projection's K (the MLP width) is too long for that: a
+program per few rows kept too few bytes in flight (76% of the copy rate on an H200; 84% with
+masked tiles of 2,048, which slowed the others; cuBLAS's split-K reaches 85%).
 """
 
 from __future__ import annotations
@@ -46,17 +48,27 @@ class Tile:
     stages: int = 1
 
 
-# Per matmul, the fastest at one row on an H200 (Qwen2-7B shape). The down projection's K
-# (the MLP width) is long and its rows few: it takes long tiles of K, the last one masked.
-TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512),
-         "down": Tile(4, 2048, warps=8)}
+# Per matmul, the fastest at one row on an H200 (Qwen2-7B shape); a smaller block_k is used
+# where it does not divide K.
+TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512)}
 
 
-def fits(hidden: int, intermediate: int, head_dim: int, tiles: dict[str, Tile] = TILES) -> bool:
-    """Do the tiles divide the rows of each matmul of a layer of this shape?"""
-    return (triton is not None and (head_dim // 2) % tiles["qkv"].block_n == 0
-            and intermediate % tiles["gate_up"].block_n == 0
-            and hidden % tiles["o"].block_n == 0 and hidden % tiles["down"].block_n == 0)
+def block_k_for(k: int, block_k: int) -> int:
+    """The largest power of two up to block_k that divides k (0: none of at least 16)."""
+    while block_k >= 16 and k % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else 0
+
+
+def fits(hidden: int, intermediate: int, heads: int, head_dim: int,
+         tiles: dict[str, Tile] = TILES) -> bool:
+    """Can each GEMV take a layer of this shape (tiles divide the rows, and the Ks)?"""
+    half = head_dim // 2
+    return (triton is not None and half % tiles["qkv"].block_n == 0
+            and intermediate % tiles["gate_up"].block_n == 0 and hidden % tiles["o"].block_n == 0
+            and block_k_for(hidden, tiles["qkv"].block_k) > 0
+            and block_k_for(hidden, tiles["gate_up"].block_k) > 0
+            and block_k_for(heads * head_dim, tiles["o"].block_k) > 0)
 
 
 def norm_qkv_rope(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
@@ -71,7 +83,7 @@ def norm_qkv_rope(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor |
     return out
 
 
-def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile) -> None:
+def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile = TILES["o"]) -> None:
     """residual += x @ w.T, in place."""
     _launch(PLAIN, x, w, residual, tile, w.shape[0] // tile.block_n, residual=residual)
 
@@ -100,7 +112,7 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
         k, pair_offset, rope_rows, eps,
         MODE=mode, NORM=norm is not None, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, HALF=half,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k),
         num_warps=tile.warps, num_stages=tile.stages,
     )
 
@@ -129,18 +141,13 @@ if triton is not None:
         squares = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            # The last tile may run past K. (The mask costs nothing where K is a multiple of
-            # 16: Triton knows it then, and still loads 16 bytes at a time.)
-            in_k = k < K
-            x = tl.load(X + k, mask=in_k, other=0.0).to(tl.float32)
+            x = tl.load(X + k).to(tl.float32)
             if NORM:
                 squares += x * x
-                x = x * tl.load(Norm + k, mask=in_k, other=0.0).to(tl.float32)
-            w = tl.load(w_lo + k[None, :], mask=in_k[None, :], other=0.0)
-            acc_lo += w.to(tl.float32) * x[None, :]
+                x = x * tl.load(Norm + k).to(tl.float32)
+            acc_lo += tl.load(w_lo + k[None, :]).to(tl.float32) * x[None, :]
             if MODE != 0:
-                w = tl.load(w_hi + k[None, :], mask=in_k[None, :], other=0.0)
-                acc_hi += w.to(tl.float32) * x[None, :]
+                acc_hi += tl.load(w_hi + k[None, :]).to(tl.float32) * x[None, :]
         out_lo = tl.sum(acc_lo, 1)
         out_hi = tl.sum(acc_hi, 1)
         if NORM:

@@ -88,7 +88,7 @@ class CompactLM:
         self.split_len = split_len_for(max_len)
         # One row decodes through the GEMV kernels (gemv.py) where they take the shapes.
         self.gemv = self.device.type == "cuda" and gemv.fits(
-            cfg.hidden_size, self.layers[0].w_down.shape[1], self.head_dim)
+            cfg.hidden_size, self.layers[0].w_down.shape[1], self.n_heads, self.head_dim)
         self._eager = self._layer_parts(F.linear)
         self._tiled = self._layer_parts(self._tiled_linear) if row_tile else None
         self.set_compiled(False)
@@ -138,7 +138,7 @@ class CompactLM:
         return self._head(x + delta, self._tiled_linear if self.row_tile else F.linear)
 
     def _decode_one(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        """decode for one row: four GEMV kernels and the attention per layer."""
+        """decode for one row: GEMV kernels, the attention and one cuBLAS call per layer."""
         nh, nkv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
         x = self.embed[ids][0]  # the residual stream, updated in place
         lengths = positions + 1
@@ -148,9 +148,9 @@ class CompactLM:
             q, k, v = qkv.view(1, -1, hd).split([nh, nkv, nkv], 1)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
                                     self.split_len)
-            gemv.add_matmul(attn.view(-1), layer.wo, x, gemv.TILES["o"])
+            gemv.add_matmul(attn.view(-1), layer.wo, x)
             h = gemv.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up)
-            gemv.add_matmul(h, layer.w_down, x, gemv.TILES["down"])
+            x[None].addmm_(h[None], layer.w_down.t())
         return self._head(x[None], F.linear)
 
     @torch.inference_mode()
