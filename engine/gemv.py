@@ -28,9 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .attention import overlapped
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU build of torch ships no Triton
     triton = None
 
@@ -112,8 +115,8 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
         k, pair_offset, rope_rows, eps,
         MODE=mode, NORM=norm is not None, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, HALF=half,
-        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k),
-        num_warps=tile.warps, num_stages=tile.stages,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k), PDL=overlapped(x),
+        num_warps=tile.warps, num_stages=tile.stages, launch_pdl=overlapped(x),
     )
 
 
@@ -124,7 +127,10 @@ if triton is not None:
                      K, pair_offset, rope_rows, eps,
                      MODE: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                      RESIDUAL: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the input row comes from the kernel before
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         r = tl.arange(0, BLOCK_N)
         if MODE == 1:  # rows j and j + HALF of one head
