@@ -4,8 +4,9 @@ At one row a step reads every weight once and computes almost nothing, so what i
 above the bandwidth floor is the number of kernels and the time between them. The compiled
 path (cuBLAS + torch.compile) runs 14 kernels per layer at one row (norm, matmul, two RoPE,
 attention and merge, matmul and split-K reduce, norm, matmul, SiLU, matmul and reduce, a
-copy): on an H200, 4.5 ms a step for a 3.2 ms floor. Here a layer is three GEMVs around
-the attention, and cuBLAS for the last matmul:
+copy): on an H200, 4.4-4.5 ms a step for a 3.2 ms floor. Here a layer is three GEMVs
+around the attention, and cuBLAS for the last matmul (3.95 ms a step; 3.79 with the
+launches overlapped, see attention.overlapped):
 
     qkv  = rope(rms_norm(x) @ Wqkv.T + b)     the norm's 1/rms applied after the sum
     x   += attn @ Wo.T
@@ -106,6 +107,7 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
             position: Tensor | None = None, pair_offset: int = 0, rope_rows: int = 0,
             half: int = 1) -> None:
     k = w.shape[1]
+    pdl = overlapped(x)
     # Unused pointers get a real tensor: Triton needs an address, the kernel never reads it.
     _gemv_kernel[(programs,)](
         x, norm if norm is not None else w, w, bias if bias is not None else w,
@@ -115,8 +117,8 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
         k, pair_offset, rope_rows, eps,
         MODE=mode, NORM=norm is not None, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, HALF=half,
-        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k), PDL=overlapped(x),
-        num_warps=tile.warps, num_stages=tile.stages, launch_pdl=overlapped(x),
+        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k), PDL=pdl,
+        num_warps=tile.warps, num_stages=tile.stages, launch_pdl=pdl,
     )
 
 
@@ -133,7 +135,7 @@ if triton is not None:
             gdc_launch_dependents()
         pid = tl.program_id(0)
         r = tl.arange(0, BLOCK_N)
-        if MODE == 1:  # rows j and j + HALF of one head
+        if MODE == 1:  # ROPE: rows j and j + HALF of one head
             per_head = HALF // BLOCK_N
             lo = (pid // per_head) * (2 * HALF) + (pid % per_head) * BLOCK_N + r
         else:
@@ -163,7 +165,7 @@ if triton is not None:
         if HAS_BIAS:
             out_lo += tl.load(Bias + lo).to(tl.float32)
             out_hi += tl.load(Bias + hi).to(tl.float32)
-        if MODE == 1:
+        if MODE == 1:  # ROPE
             # cos and sin hold each frequency twice (positions, 2 * HALF): column j serves
             # both halves. The value rows (past rope_rows) pass unrotated.
             table = tl.load(Pos) * (2 * HALF) + lo % (2 * HALF)
@@ -174,7 +176,7 @@ if triton is not None:
                      .to(Out.dtype.element_ty))
             tl.store(Out + hi, tl.where(rotate, out_hi * cos + out_lo * sin, out_hi)
                      .to(Out.dtype.element_ty))
-        elif MODE == 2:
+        elif MODE == 2:  # SILU
             silu = out_lo / (1.0 + tl.exp(-out_lo))
             tl.store(Out + lo, (silu * out_hi).to(Out.dtype.element_ty))
         else:

@@ -124,7 +124,7 @@ class CompactLM:
     @torch.inference_mode()
     def decode(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab) logits."""
-        if self.gemv and self.split_len and ids.shape[0] == 1:
+        if self.gemv and self.split_len and ids.shape[0] == 1:  # split_len 0: no Triton kernels
             return self._decode_one(ids, positions, slots)
         x = self.embed[ids]
         delta = torch.zeros_like(x)
