@@ -46,9 +46,12 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU build of torch ships no Triton
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no Triton, or one before 3.3: kernels launched one after the other
+    gdc_launch_dependents = gdc_wait = None
 
 # The split kernel's tile: positions per iteration, warps, pipeline stages
 # (`bench_gpu.py --phases profile` times the alternatives on the device).
@@ -62,7 +65,7 @@ def overlapped(t: Tensor) -> bool:
     Such a kernel is started while the one before it drains and waits (griddepcontrol.wait)
     before it reads anything: at one row a step is ~180 kernels of a few microseconds, and the
     time between them was a tenth of the step."""
-    return t.is_cuda and _hopper_or_later(t.device.index)
+    return gdc_wait is not None and t.is_cuda and _hopper_or_later(t.device.index)
 
 
 @functools.cache

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import overlapped
+from .attention import gdc_launch_dependents, gdc_wait, overlapped
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # the CPU build of torch ships no Triton
     triton = None
 
