@@ -70,7 +70,14 @@ def overlapped(t: Tensor) -> bool:
 
 @functools.cache
 def _hopper_or_later(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # griddepcontrol is NVIDIA's; ROCm reports capabilities in the same form (MI300: 9.4)
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword for an overlapped kernel; none otherwise (a Triton that has no
+    griddepcontrol refuses the keyword)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def split_len_for(max_len: int) -> int:
@@ -190,7 +197,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
         BLOCK_N=block_n, SPLIT_LEN=split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
-        PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty_like(q)
     _merge_kernel[(rows, heads)](
@@ -198,7 +205,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         SPLIT_LEN=split_len, SPLITS_PAD=triton.next_power_of_2(n_splits), DIM=dim,
-        PDL=pdl, num_warps=4, launch_pdl=pdl,
+        PDL=pdl, num_warps=4, **launch_options(pdl),
     )
     return out
 

@@ -438,25 +438,28 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
         log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
                  gib=round(compact.cache.nbytes / 2**30, 2),
                  free_gib=round(torch.cuda.mem_get_info(device)[0] / 2**30, 1))
-    split_len, varlen = compact.split_len, compact.varlen_prefill
-    # kernels: the Triton decode attention and the varlen flash prefill
-    tries = [(limits.compile, limits.cuda_graphs, True), (False, limits.cuda_graphs, True),
-             (False, False, True), (False, False, False)] if cuda else [(False, False, False)]
-    for compiled, graphs, kernels in dict.fromkeys(tries):
+    split_len, varlen, gemv = compact.split_len, compact.varlen_prefill, compact.gemv
+    # kernels: the Triton decode attention and the varlen flash prefill; one_row: the GEMVs
+    compile_, graphs_ = limits.compile, limits.cuda_graphs
+    tries = [(compile_, graphs_, True, gemv), (compile_, graphs_, True, False),
+             (False, graphs_, True, False), (False, False, True, False),
+             (False, False, False, False)] if cuda else [(False, False, False, False)]
+    for compiled, graphs, kernels, one_row in dict.fromkeys(tries):
         try:
             compact.set_compiled(compiled)
             compact.split_len = split_len if kernels else 0
             compact.varlen_prefill = varlen and kernels
+            compact.gemv = one_row
             runner = ModelRunner(compact, device, graphs)
             if cuda:
                 runner.warm_up()
         except Exception as e:  # a compiler or capture failure must not stop the service
             log.warning("falling back", compiled=compiled, cuda_graphs=graphs, kernels=kernels,
-                        error=repr(e)[:800])
+                        gemv_one_row=one_row, error=repr(e)[:800])
             continue
         mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else []),
                          *(["triton-attention"] if kernels else []),
-                         *(["gemv-one-row"] if kernels and compact.gemv else []),
+                         *(["gemv-one-row"] if one_row else []),
                          *(["varlen-prefill"] if compact.varlen_prefill else [])])
         return compact, runner, mode
     raise RuntimeError("no runner could be built")

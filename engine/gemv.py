@@ -15,11 +15,16 @@ launches overlapped, see attention.overlapped):
 
 Each program owns BLOCK_N output rows, two blocks where a pair meets in the epilogue (the
 two RoPE halves of a head; the gate and up rows of a unit), and sums them over the whole
-K: no split-K, so no reduce kernel and one fixed order of summation (a replay is exact,
-and a row's result depends on nothing else). Programs read the input row whole, so each
-computes the norm itself. The down projection's K (the MLP width) is too long for that: a
-program per few rows kept too few bytes in flight (76% of the copy rate on an H200; 84% with
-masked tiles of 2,048, which slowed the others; cuBLAS's split-K reaches 85%).
+K: no split-K, so no reduce kernel and one fixed order of summation (a replay is exact).
+A row decoding alone is summed in another order than the same row in a batch, which the
+compiled layers run: in bfloat16 the logits differ by rounding (the GPU test allows 2e-2),
+as they already did between cuBLAS's kernels for different batch sizes. Programs read the
+input row whole, so each computes the norm itself.
+
+The down projection's K (the MLP width) is too long for this: a program per few rows kept
+too few bytes in flight (76% of the copy rate on an H200; 84% with masked tiles of 2,048,
+which slowed the others; cuBLAS's split-K reaches 85%). cuBLAS sums it in its own order,
+fixed for a given device and shape.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import gdc_launch_dependents, gdc_wait, overlapped
+from .attention import gdc_launch_dependents, gdc_wait, launch_options, overlapped
 
 try:
     import triton
@@ -65,9 +70,11 @@ def block_k_for(k: int, block_k: int) -> int:
 
 def fits(hidden: int, intermediate: int, heads: int, head_dim: int,
          tiles: dict[str, Tile] = TILES) -> bool:
-    """Can each GEMV take a layer of this shape (tiles divide the rows, and the Ks)?"""
+    """Can each GEMV take a layer of this shape (tiles divide the rows, and the Ks; the
+    attention kernel after it takes a power-of-two head_dim)?"""
     half = head_dim // 2
-    return (triton is not None and half % tiles["qkv"].block_n == 0
+    return (triton is not None and head_dim & (head_dim - 1) == 0
+            and half % tiles["qkv"].block_n == 0
             and intermediate % tiles["gate_up"].block_n == 0 and hidden % tiles["o"].block_n == 0
             and block_k_for(hidden, tiles["qkv"].block_k) > 0
             and block_k_for(hidden, tiles["gate_up"].block_k) > 0
@@ -87,7 +94,7 @@ def norm_qkv_rope(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor |
 
 
 def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile = TILES["o"]) -> None:
-    """residual += x @ w.T, in place."""
+    """residual += x @ w.T, in place (x must be another tensor: every program reads all of it)."""
     _launch(PLAIN, x, w, residual, tile, w.shape[0] // tile.block_n, residual=residual)
 
 
@@ -106,6 +113,7 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
             position: Tensor | None = None, pair_offset: int = 0, rope_rows: int = 0,
             half: int = 1) -> None:
     k = w.shape[1]
+    assert w.is_contiguous(), "a GEMV weight must be contiguous: its row stride is taken as K"
     pdl = overlapped(x)
     # Unused pointers get a real tensor: Triton needs an address, the kernel never reads it.
     _gemv_kernel[(programs,)](
@@ -117,7 +125,7 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
         MODE=mode, NORM=norm is not None, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, HALF=half,
         BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k), PDL=pdl,
-        num_warps=tile.warps, num_stages=tile.stages, launch_pdl=pdl,
+        num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
     )
 
 

@@ -6,7 +6,9 @@ write and attention: `attn_in` (residual add, RMSNorm, fused QKV matmul, bias, R
 `attn_out` (output projection, residual add, RMSNorm, fused gate/up matmul, SiLU, down).
 On CUDA each is compiled once with `torch.compile` (it fuses the elementwise work; the
 same compiled code serves every layer, every batch size and prefill) and the decode step
-is captured in CUDA graphs by the model runner.
+is captured in CUDA graphs by the model runner. A single decoding row runs through GEMV
+kernels instead (`_decode_one`, gemv.py): at one row the kernels' count, not the bytes,
+was what was left above the bandwidth floor.
 
 Batch invariance on the CPU: a sequence's logits must not depend on what else is in the
 batch, or greedy answers (and so the response cache and audit trail) would change with
@@ -87,8 +89,11 @@ class CompactLM:
         self.n_slots = n_slots
         self.split_len = split_len_for(max_len)
         # One row decodes through the GEMV kernels (gemv.py) where they take the shapes.
-        self.gemv = self.device.type == "cuda" and gemv.fits(
-            cfg.hidden_size, self.layers[0].w_down.shape[1], self.n_heads, self.head_dim)
+        self.gemv = (self.device.type == "cuda" and self.cos.shape[-1] == self.head_dim
+                     and gemv.fits(cfg.hidden_size, self.layers[0].w_down.shape[1],
+                                   self.n_heads, self.head_dim)
+                     and all(w.is_contiguous() for layer in self.layers
+                             for w in (layer.wqkv, layer.wo, layer.w_gate_up)))
         self._eager = self._layer_parts(F.linear)
         self._tiled = self._layer_parts(self._tiled_linear) if row_tile else None
         self.set_compiled(False)
@@ -124,7 +129,7 @@ class CompactLM:
     @torch.inference_mode()
     def decode(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab) logits."""
-        if self.gemv and self.split_len and ids.shape[0] == 1:  # split_len 0: no Triton kernels
+        if self.gemv and ids.shape[0] == 1:
             return self._decode_one(ids, positions, slots)
         x = self.embed[ids]
         delta = torch.zeros_like(x)

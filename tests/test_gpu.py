@@ -154,15 +154,29 @@ def _inputs(rows: int, positions: list[int]) -> tuple[torch.Tensor, ...]:
     return ids, torch.tensor(positions, device="cuda"), torch.arange(rows, device="cuda")
 
 
-def test_graph_replay_equals_the_eager_step(graphed):
+@pytest.mark.parametrize("rows", [1, 16])  # buckets (the eager step runs the same shapes); 1: the GEMVs
+def test_graph_replay_equals_the_eager_step(graphed, rows):
     model, runner = graphed.model, graphed.runner
     assert runner.graphs is not None, graphed.mode
-    rows = 16  # a bucket: the eager step runs the same shapes
+    assert "gemv-one-row" in graphed.mode
     model.prefill([(s, 0, list(range(200 + s, 230 + s))) for s in range(rows)], [False] * rows)
     ids, positions, slots = _inputs(rows, [30] * rows)
     eager = model.decode(ids, positions, slots).clone()
     replayed = runner.graphs.run(torch.stack([ids, positions, slots]), rows).clone()
     assert torch.equal(eager, replayed)
+
+
+def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):
+    """A GEMV the device refuses costs the one-row path, not the graphs or the attention kernel."""
+    from finsieve.engine import gemv
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("refused by the test")
+
+    monkeypatch.setattr(gemv, "norm_qkv_rope", refused)
+    engine = _engine(random_llama, torch.bfloat16, max_batch=4, compile=False)
+    assert engine.mode == "eager+cuda-graphs+triton-attention+varlen-prefill", engine.mode
+    assert engine.generate(chat_request("t", "What is a bond?", max_tokens=4))[-1].HasField("finished")
 
 
 def test_rollback_by_truncation_reproduces_logits_on_cuda(graphed):
