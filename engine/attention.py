@@ -60,24 +60,22 @@ except ImportError:  # no Triton, or one before 3.3: kernels launched one after 
 BLOCK_N, WARPS, STAGES = 64, 4, 1
 
 
-def overlapped(t: Tensor) -> bool:
-    """Launch the Triton kernels overlapped (programmatic dependent launch, Hopper and later)?
-    Such a kernel is started while the one before it drains and waits (griddepcontrol.wait)
-    before it reads anything: at one row a step is ~180 kernels of a few microseconds, and the
-    time between them was a tenth of the step."""
-    return gdc_wait is not None and t.is_cuda and _hopper_or_later(t.device.index)
+def overlapped(t: Tensor) -> dict:
+    """The keywords that launch a Triton kernel over t's device overlapped (programmatic
+    dependent launch, Hopper and later): the kernel's `PDL` flag and, when set, the launch
+    option, together, so that they cannot disagree (a Triton that has no griddepcontrol
+    refuses the option). Such a kernel is started while the one before it drains and waits
+    (griddepcontrol.wait) before it reads anything: at one row a step is ~180 kernels of a
+    few microseconds, and the time between them was a tenth of the step."""
+    if gdc_wait is not None and t.is_cuda and _hopper_or_later(t.device.index):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @functools.cache
 def _hopper_or_later(index: int | None) -> bool:
     # griddepcontrol is NVIDIA's; ROCm reports capabilities in the same form (MI300: 9.4)
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def launch_options(pdl: bool) -> dict:
-    """The launch keyword for an overlapped kernel; none otherwise (a Triton that has no
-    griddepcontrol refuses the keyword)."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 def split_len_for(max_len: int) -> int:
@@ -183,7 +181,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
     group = heads // kv_heads
     n_splits = -(-k_cache.shape[2] // split_len)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    pdl = overlapped(q)
+    overlap = overlapped(q)
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(rows, kv_heads, n_splits)](
@@ -197,7 +195,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
         BLOCK_N=block_n, SPLIT_LEN=split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
-        PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
+        num_warps=warps, num_stages=stages, **overlap,
     )
     out = torch.empty_like(q)
     _merge_kernel[(rows, heads)](
@@ -205,7 +203,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         SPLIT_LEN=split_len, SPLITS_PAD=triton.next_power_of_2(n_splits), DIM=dim,
-        PDL=pdl, num_warps=4, **launch_options(pdl),
+        num_warps=4, **overlap,
     )
     return out
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .attention import gdc_launch_dependents, gdc_wait, launch_options, overlapped
+from .attention import gdc_launch_dependents, gdc_wait, overlapped
 
 try:
     import triton
@@ -114,7 +114,6 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
             half: int = 1) -> None:
     k = w.shape[1]
     assert w.is_contiguous(), "a GEMV weight must be contiguous: its row stride is taken as K"
-    pdl = overlapped(x)
     # Unused pointers get a real tensor: Triton needs an address, the kernel never reads it.
     _gemv_kernel[(programs,)](
         x, norm if norm is not None else w, w, bias if bias is not None else w,
@@ -124,8 +123,8 @@ def _launch(mode: int, x: Tensor, w: Tensor, out: Tensor, tile: Tile, programs: 
         k, pair_offset, rope_rows, eps,
         MODE=mode, NORM=norm is not None, HAS_BIAS=bias is not None,
         RESIDUAL=residual is not None, HALF=half,
-        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k), PDL=pdl,
-        num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
+        BLOCK_N=tile.block_n, BLOCK_K=block_k_for(k, tile.block_k),
+        num_warps=tile.warps, num_stages=tile.stages, **overlapped(x),
     )
 
 
