@@ -13,8 +13,10 @@ written to the JSON after every phase, a table printed at the end:
               tokenizer (vocabulary 49,152), saved as a Hugging Face directory
   inprocess   LLMEngine without gRPC: start-up (load, compile, graph capture), then rules
               off and rules on (default packs + 10,000 synthetic literals) at 1/16/64/128
-              streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; 64
-              requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
+              streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; each
+              level twice: every stream started at once, and in the steady state (`steady`:
+              streams out of phase, see run_engine_level); 64 requests arriving at once
+              (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
               empty pack), same levels; start-up until the engine is SERVING
@@ -218,13 +220,21 @@ def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -
 
 
 def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_tokens: int,
-                     burst: bool = False) -> dict:
-    """`streams` closed-loop streams, `rounds` requests each, driven on this thread."""
+                     burst: bool = False, spread: bool = False) -> dict:
+    """`streams` closed-loop streams, `rounds` requests each, driven on this thread.
+
+    All streams start at once by default: every request of a round then ends in the same few
+    steps, and the next round's prompts are prefilled while nothing decodes (the worst case
+    of a closed loop). spread: stream s starts at step s * max_tokens / streams, so the
+    answers run evenly out of phase, as a server's concurrent clients do once past a
+    start-up; the row then counts only the tokens delivered while every stream was running
+    (the steady state)."""
     from finsieve.client import chat_request
     from finsieve.engine.events import LATE_REPAIRS
 
-    live: dict[int, tuple[TimingSink, float, int]] = {}
+    live: dict[int, tuple[TimingSink, float]] = {}
     done: list[dict] = []
+    sinks: list[TimingSink] = []
     repairs_before = LATE_REPAIRS._value.get()
     next_text = 0
 
@@ -235,30 +245,48 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
         next_text += 1
         t0 = time.perf_counter()  # preparation (tokenizing, input rules) is in the TTFT
         engine.submit(engine.prepare(req, sink))
-        live[stream] = (sink, t0, rounds)
+        live[stream] = (sink, t0)
+        sinks.append(sink)
 
-    pending = {s: rounds for s in range(streams)}
+    first_step = {s: s * max_tokens // streams if spread else 0 for s in range(streams)}
+    pending = dict.fromkeys(range(streams), rounds)
     start = time.perf_counter()
-    for s in range(streams):
-        submit(s)
-        pending[s] -= 1
-    steps = []
-    while live:
+    all_running = idle_from = None  # the steady window: every stream started, none idle yet
+    steps: list[tuple[float, float]] = []
+    step = 0
+    while live or step <= max(first_step.values()):
+        for s in [s for s, at in first_step.items() if at == step]:
+            submit(s)
+            pending[s] -= 1
+        if step == max(first_step.values()):
+            all_running = time.perf_counter()
         t = time.perf_counter()
         engine.step()
-        steps.append(time.perf_counter() - t)
-        for s, (sink, t0, _) in list(live.items()):
+        steps.append((t, time.perf_counter() - t))
+        step += 1
+        for s, (sink, t0) in list(live.items()):
             if sink.done:
                 done.append({"ttft": sink.times[0] - t0 if sink.times else None,
                              "gaps": [b - a for a, b in zip(sink.times, sink.times[1:], strict=False)],
                              "tokens": sum(sink.tokens), "error": sink.error,
-                             "first_at": sink.times[0] - start if sink.times else None})
+                             "first_at": sink.times[0] - start if sink.times else None,
+                             "submitted": t0})
                 del live[s]
                 if pending[s] and not burst:
                     pending[s] -= 1
                     submit(s)
+                elif idle_from is None:
+                    idle_from = time.perf_counter()
     wall = time.perf_counter() - start
-    row = summarize(done, wall, steps[2:])
+    if not spread:
+        row = summarize(done, wall, [d for _, d in steps[2:]])
+    else:
+        t_a, t_b = all_running, idle_from or time.perf_counter()
+        row = summarize([r for r in done if t_a <= r["submitted"] <= t_b], t_b - t_a,
+                        [d for t, d in steps if t_a <= t <= t_b])
+        row["tokens"] = sum(n for sink in sinks for t, n in zip(sink.times, sink.tokens, strict=True)
+                            if t_a <= t <= t_b)
+        row["tokens_per_s"] = row["tokens"] / row["wall_s"]
     row["late_repairs"] = LATE_REPAIRS._value.get() - repairs_before
     row["last_first_token_s"] = max((r["first_at"] or 0) for r in done)
     return row
@@ -295,20 +323,21 @@ def phase_inprocess(args) -> dict:
     run_engine_level(engine, texts, len(texts), 1, 2, burst=True)  # every prompt shape once
     result["graph_replay_ms"] = _graph_replay_ms(engine)
     settle_heap()  # as `finsieve serve` does once it serves
-    levels = []
-    result["levels"] = levels
+    result["levels"], result["steady"] = [], []
     for n in args.levels:
         for name, pol in (("off", NO_POLICY), ("on", policy)):
-            if time_left(args) < 60:
-                result["skipped"] = f"levels from {n} streams rules {name}: no time left"
-                break
-            engine.policy = lambda pol=pol: pol
-            row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens)
-            row.update(streams=n, rules=name)
-            levels.append(row)
-            print(f"  in-process {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
-                  f"step p50 {row.get('step_p50_ms', 0):.2f} ms, errors {row['errors']}", flush=True)
-            Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
+            for spread in (False, True) if n > 1 else (False,):
+                if time_left(args) < 60:
+                    result["skipped"] = f"levels from {n} streams rules {name}: no time left"
+                    break
+                engine.policy = lambda pol=pol: pol
+                row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=spread)
+                row.update(streams=n, rules=name)
+                result["steady" if spread else "levels"].append(row)
+                print(f"  in-process {n:>3} streams rules {name}{' steady' if spread else ''}: "
+                      f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms, "
+                      f"errors {row['errors']}", flush=True)
+                Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     engine.policy = lambda: policy
     if time_left(args) < 30:
         return result
@@ -901,7 +930,8 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
                 continue
             try:
                 call = functools.partial(attention._triton_decode, q, k, v, cache_k, cache_v, slots,
-                                         lengths, split_len, block_n, warps, stages)
+                                         lengths, split_len, block_n, warps, stages,
+                                         rope=(m.cos, m.sin))
                 us = 1000 * _graph_ms(call)
             except Exception as e:  # a tile the compiler refuses: skip it
                 print(f"  attention {split_len}/{block_n}/{warps}/{stages}: {e!r:.120}", flush=True)
@@ -971,11 +1001,12 @@ def table(r: dict) -> str:
     lines.append("")
     lines.append(f"{'path':<10} {'streams':>7} {'rules':>5} {'tok/s':>8} {'vs floor':>8} {'vs hf1':>7} "
                  f"{'vs hfB':>7} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'repairs':>7}")
-    for path in ("inprocess", "serve"):
-        for row in r.get(path, {}).get("levels", []):
+    for phase, key, path in (("inprocess", "levels", "inprocess"), ("inprocess", "steady", "steady"),
+                             ("serve", "levels", "serve")):
+        for row in r.get(phase, {}).get(key, []):
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None
-            itl = (row.get("step_p50_ms"), row.get("step_p99_ms")) if path == "inprocess" else (
+            itl = (row.get("step_p50_ms"), row.get("step_p99_ms")) if phase == "inprocess" else (
                 row.get("itl_p50_ms"), row.get("itl_p99_ms"))
             lines.append(
                 f"{path:<10} {row['streams']:>7} {row['rules']:>5} {tps:>8.0f} "

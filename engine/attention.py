@@ -86,17 +86,30 @@ def split_len_for(max_len: int) -> int:
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     slots: Tensor, lengths: Tensor, split_len: int) -> Tensor:
+                     slots: Tensor, lengths: Tensor, split_len: int,
+                     rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """q (rows, heads, head_dim), k and v (rows, kv_heads, head_dim): the new token's, written
     at position lengths - 1 of each row's slot; lengths: positions each row attends, its new
-    token included. split_len 0: the per-row SDPA path (the CPU's, and CUDA's fallback if
-    Triton fails)."""
+    token included. rope: the (positions, head_dim) cos and sin tables when q and k come
+    unrotated (the Triton kernel rotates them as it loads them: at 64 rows the two RoPE
+    kernels per layer it replaces were 4% of a step). split_len 0: the per-row SDPA path
+    (the CPU's, and CUDA's fallback if Triton fails)."""
     if q.is_cuda and split_len:
-        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len)
+        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len, rope=rope)
     positions = lengths - 1
+    if rope is not None:
+        cos, sin = (table[positions][:, None] for table in rope)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache[slots, :, positions] = k
     v_cache[slots, :, positions] = v
     return _attend_each(q, k_cache, v_cache, slots, lengths)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding, the two halves of each head rotated together (Llama/Qwen2 layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
 
 
 def _attend_each(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
@@ -175,17 +188,21 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                    slots: Tensor, lengths: Tensor, split_len: int, block_n: int = BLOCK_N,
-                   warps: int = WARPS, stages: int = STAGES) -> Tensor:
+                   warps: int = WARPS, stages: int = STAGES,
+                   rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     n_splits = -(-k_cache.shape[2] // split_len)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     overlap = overlapped(q)
+    cos, sin = rope if rope is not None else (q, q)  # unread without ROPE
+    assert rope is None or (cos.is_contiguous() and cos.shape[-1] == dim), \
+        "RoPE tables must be (positions, head_dim), contiguous"
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(rows, kv_heads, n_splits)](
-        q, k, v, k_cache, v_cache, slots, lengths, partial, lse,
+        q, k, v, k_cache, v_cache, slots, lengths, partial, lse, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -193,7 +210,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         lse.stride(0), lse.stride(1),
         dim ** -0.5,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        BLOCK_N=block_n, SPLIT_LEN=split_len,
+        BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
         num_warps=warps, num_stages=stages, **overlap,
     )
@@ -211,7 +228,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, Knew, Vnew, K, V, Slots, Lengths, Partial, Lse,
+    def _split_kernel(Q, Knew, Vnew, K, V, Slots, Lengths, Partial, Lse, Cos, Sin,
                       sq_row, sq_head, skn_row, skn_head, svn_row, svn_head,
                       sk_slot, sk_head, sk_pos,
                       sv_slot, sv_head, sv_pos,
@@ -219,8 +236,8 @@ if triton is not None:
                       sl_row, sl_head,
                       scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, PRECISION: tl.constexpr,
-                      PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, ROPE: tl.constexpr,
+                      PRECISION: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # every input may come from the kernel before
             gdc_wait()
             gdc_launch_dependents()
@@ -236,15 +253,25 @@ if triton is not None:
         d = tl.arange(0, DIM)
         heads = kv_head * GROUP + g
         in_group = g < GROUP
-        q = tl.load(Q + row * sq_row + heads[:, None] * sq_head + d[None, :],
-                    mask=in_group[:, None], other=0.0)
+        q_at = Q + row * sq_row + heads[:, None] * sq_head
+        q = tl.load(q_at + d[None, :], mask=in_group[:, None], other=0.0)
         k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
         v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
         # The new token (position length - 1): from the inputs, and stored by the one
         # program whose split holds it.
         last = length - 1
-        k_new = tl.load(Knew + row * skn_row + kv_head * skn_head + d)
+        k_at = Knew + row * skn_row + kv_head * skn_head
+        k_new = tl.load(k_at + d)
         v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
+        if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as compiled)
+            cos = tl.load(Cos + last * DIM + d).to(tl.float32)
+            sin = tl.load(Sin + last * DIM + d).to(tl.float32)
+            swap = (d + DIM // 2) % DIM
+            sin = tl.where(d < DIM // 2, -sin, sin)
+            q_swap = tl.load(q_at + swap[None, :], mask=in_group[:, None], other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
+            k_new = (k_new.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin
+                     ).to(k_new.dtype)
         if (start <= last) & (last < start + SPLIT_LEN):
             tl.store(k_base + last * sk_pos + d, k_new)
             tl.store(v_base + last * sv_pos + d, v_new)

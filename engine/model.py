@@ -2,10 +2,11 @@
 
 Weights, config and rotary tables come from the transformers model; the forward is ours,
 so a step is visible in one screen. Each layer is two pure functions around the cache
-write and attention: `attn_in` (residual add, RMSNorm, fused QKV matmul, bias, RoPE) and
+write and attention: `attn_in` (residual add, RMSNorm, fused QKV matmul, bias; RoPE in
+prefill, while decode's attention rotates q and k itself, in its kernel on CUDA) and
 `attn_out` (output projection, residual add, RMSNorm, fused gate/up matmul, SiLU, down).
 On CUDA each is compiled once with `torch.compile` (it fuses the elementwise work; the
-same compiled code serves every layer, every batch size and prefill) and the decode step
+same compiled code serves every layer and batch size) and the decode step
 is captured in CUDA graphs by the model runner. A single decoding row runs through GEMV
 kernels instead (`_decode_one`, gemv.py): at one row the kernels' count, not the bytes,
 was what was left above the bandwidth floor.
@@ -29,7 +30,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import gemv
-from .attention import VarlenKeys, decode_attention, prefill_attention, split_len_for, varlen_prefill
+from .attention import (
+    VarlenKeys,
+    apply_rope,
+    decode_attention,
+    prefill_attention,
+    split_len_for,
+    varlen_prefill,
+)
 from .kv_cache import SlotKVCache
 
 log = structlog.get_logger(__name__)
@@ -134,10 +142,13 @@ class CompactLM:
         x = self.embed[ids]
         delta = torch.zeros_like(x)
         lengths = positions + 1
+        # The attention rotates q and k (in its kernel on CUDA: no RoPE kernels of its own)
+        rope = (self.cos, self.sin)
         for i, layer in enumerate(self.layers):
-            x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv, positions)
+            x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv,
+                                         positions, False)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
-                                    self.split_len)
+                                    self.split_len, rope)
             x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                         layer.w_gate_up, layer.w_down)
         return self._head(x + delta, self._tiled_linear if self.row_tile else F.linear)
@@ -175,7 +186,8 @@ class CompactLM:
         x = self.embed[ids]
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
-            x, q, k, v = self._prefill_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv, positions)
+            x, q, k, v = self._prefill_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv,
+                                          positions, True)
             self.cache.k[i][slots, :, positions] = k
             self.cache.v[i][slots, :, positions] = v
             attn = (varlen_prefill(q, self.cache.k[i], self.cache.v[i], keys) if keys is not None
@@ -216,17 +228,18 @@ class CompactLM:
         cos_table, sin_table = self.cos, self.sin
 
         def attn_in(x: Tensor, delta: Tensor, norm: Tensor, wqkv: Tensor, bqkv: Tensor | None,
-                    positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    positions: Tensor, rope: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             x = x + delta  # the previous layer's MLP output joins the residual stream here
             n = x.shape[0]
             qkv = linear(_rms_norm(x, norm, eps), wqkv)
             if bqkv is not None:
                 qkv = qkv + bqkv
             q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], -1)
-            cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
-            q = _rope(q.view(n, n_heads, hd), cos, sin)
-            k = _rope(k.view(n, n_kv, hd), cos, sin)
-            return x, q, k, v.view(n, n_kv, hd)
+            q, k, v = q.view(n, n_heads, hd), k.view(n, n_kv, hd), v.view(n, n_kv, hd)
+            if rope:
+                cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return x, q, k, v
 
         def attn_out(x: Tensor, attn: Tensor, wo: Tensor, norm: Tensor, w_gate_up: Tensor,
                      w_down: Tensor) -> tuple[Tensor, Tensor]:
@@ -247,12 +260,6 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
 
 
 def _rope_tables(rotary: torch.nn.Module, max_len: int, device, dtype) -> tuple[Tensor, Tensor]:

@@ -71,27 +71,37 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_triton_decode_attention_matches_sdpa():
     """The kernel writes each row's new key and value at its last position, and nowhere else,
-    and attends like SDPA over exactly the row's length."""
+    and attends like SDPA over exactly the row's length; with RoPE tables, it rotates q and
+    the new key as the per-row path does."""
     from finsieve.engine.attention import _triton_decode, decode_attention, split_len_for
 
     torch.manual_seed(0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for heads, kv_heads, dim in ((9, 3, 64), (28, 4, 128)):
-            k_cache = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
-            q = torch.randn(5, heads, dim, device="cuda", dtype=dtype)
-            # v as the forward hands it over: a strided view of a wider row
-            k = torch.randn(5, kv_heads, dim, device="cuda", dtype=dtype)
-            v = torch.randn(5, 2 * kv_heads * dim, device="cuda", dtype=dtype)[:, :kv_heads * dim]
-            v = v.view(5, kv_heads, dim)
-            slots = torch.tensor([3, 0, 5, 1, 2], device="cuda")
-            lengths = torch.tensor([1, 255, 1024, 257, 700], device="cuda")
-            ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
-            ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k, ref_v,
-                                   slots.cpu(), lengths.cpu(), 0)
-            out = _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len_for(1024))
-            assert _relative_error(out.cpu(), ref) < tolerance, (dtype, heads)
-            assert torch.equal(k_cache.float().cpu(), ref_k) and torch.equal(v_cache.float().cpu(), ref_v)
+            angles = torch.rand(1024, dim // 2, device="cuda") * 6.3
+            tables = [torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin)]
+            for rope in (None, tables):
+                k_cache = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
+                v_cache = torch.randn_like(k_cache)
+                # q, k and v as the forward hands them over: strided views of one wider row
+                qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+                q, k, v = qkv.view(5, -1, dim).split([heads, kv_heads, kv_heads], 1)
+                slots = torch.tensor([3, 0, 5, 1, 2], device="cuda")
+                lengths = torch.tensor([1, 255, 1024, 257, 700], device="cuda")
+                ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
+                ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k,
+                                       ref_v, slots.cpu(), lengths.cpu(), 0,
+                                       rope and [t.float().cpu() for t in rope])
+                out = _triton_decode(q, k, v, k_cache, v_cache, slots, lengths,
+                                     split_len_for(1024), rope=rope)
+                assert _relative_error(out.cpu(), ref) < tolerance, (dtype, heads, rope is None)
+                new_k, new_v = k_cache.float().cpu(), v_cache.float().cpu()
+                last = (slots.cpu(), slice(None), lengths.cpu() - 1)
+                assert _relative_error(new_k[last], ref_k[last]) < tolerance / 2
+                assert torch.equal(new_v[last], ref_v[last])
+                for cache in (new_k, ref_k):
+                    cache[last] = 0
+                assert torch.equal(new_k, ref_k)  # nothing else written
 
 
 def test_varlen_prefill_matches_sdpa_per_chunk():
