@@ -170,48 +170,28 @@ class CompactLM:
         return self._head(x[None], F.linear)
 
     @torch.inference_mode()
-    def prefill(self, chunks: list[Chunk], sample: list[bool],
-                decode: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    def prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
         """Feed each chunk's tokens at its positions; logits after the last token of each
-        chunk marked in `sample`, in order: (sampled chunks, vocab). decode (CUDA): the
-        step's decode rows (ids, positions, slots, as `decode` takes them) in the same
-        forward, their logits first: a step that mixes prefill and decode reads the weights
-        once (the decode graph and then the prefill read them twice, and a small chunk's
-        forward costs the bytes of a whole step)."""
+        chunk marked in `sample`, in order: (sampled chunks, vocab)."""
         if self.batch_prefill:
-            return self._prefill(chunks, sample, decode)
-        assert decode is None, "decode rows join a prefill only where chunks batch (CUDA)"
+            return self._prefill(chunks, sample)
         outs = [self._prefill([c], [s]) for c, s in zip(chunks, sample, strict=True)]
         return torch.cat(outs) if outs else torch.empty(0, self.vocab_size, device=self.device)
 
     # -- pieces -----------------------------------------------------------------------
 
-    def _prefill(self, chunks: list[Chunk], sample: list[bool],
-                 decode: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    def _prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
         spans = [(slot, start, len(toks)) for slot, start, toks in chunks]
         ids, positions, slots, last, keys = self._prefill_inputs(chunks, sample, spans)
-        rows, fed_positions = 0, positions  # decode rows go ahead of the chunks' tokens
-        if decode is not None:
-            row_ids, row_positions, row_slots = decode
-            rows, row_lengths = row_ids.shape[0], row_positions + 1
-            ids, fed_positions = torch.cat([row_ids, ids]), torch.cat([row_positions, positions])
-            last = torch.cat([torch.arange(rows, device=last.device), last + rows])
         x = self.embed[ids]
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):
             x, q, k, v = self._prefill_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv,
-                                          fed_positions, True)
-            k_cache, v_cache = self.cache.k[i], self.cache.v[i]
-            parts = []
-            if rows:  # q and k come rotated: the kernel writes the rows' keys and attends
-                parts.append(decode_attention(q[:rows], k[:rows], v[:rows], k_cache, v_cache,
-                                              row_slots, row_lengths, self.split_len))
-                q, k, v = q[rows:], k[rows:], v[rows:]
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
-            parts.append(varlen_prefill(q, k_cache, v_cache, keys) if keys is not None
-                         else prefill_attention(q, k_cache, v_cache, spans))
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+                                          positions, True)
+            self.cache.k[i][slots, :, positions] = k
+            self.cache.v[i][slots, :, positions] = v
+            attn = (varlen_prefill(q, self.cache.k[i], self.cache.v[i], keys) if keys is not None
+                    else prefill_attention(q, self.cache.k[i], self.cache.v[i], spans))
             x, delta = self._prefill_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                          layer.w_gate_up, layer.w_down)
         return self._head(x[last] + delta[last], F.linear)

@@ -1,11 +1,11 @@
 """Device state and one step on it: inputs, the forward, the rules' mask, the sample.
 
 `launch` starts a step and returns at once on CUDA: the decode rows run as one CUDA graph
-(captured at start-up per batch-size bucket, over persistent input buffers) or, in a step
-with prefill chunks, in the chunks' one eager forward; then one batched mask and sample
-over every row, and one device-to-host copy of the sampled ids (into pinned memory, two
-buffers in turn). Nothing else waits for the device: `Launch.tokens` is the only
-synchronisation of a step, and the engine calls it for step N after launching step N+1.
+(captured at start-up per batch-size bucket, over persistent input buffers), prefill
+chunks as one eager forward, then one batched mask and sample over every row, and one
+device-to-host copy of the sampled ids (into pinned memory, two buffers in turn). Nothing
+else waits for the device: `Launch.tokens` is the only synchronisation of a step, and the
+engine calls it for step N after launching step N+1.
 
 A decode row whose token is still on the device (the engine's optimistic rows) takes it
 from the previous step's samples by index, on the device.
@@ -147,9 +147,6 @@ class ModelRunner:
         self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
         self._cuda = device.type == "cuda"
-        # Decode rows ride in a step's prefill forward where chunks batch (not on the CPU:
-        # there each chunk runs alone, for batch invariance)
-        self._mixed = self._cuda and getattr(model, "batch_prefill", False)
         self._pinned = [torch.empty(4 * self.n_slots, dtype=torch.long, pin_memory=True)
                         for _ in range(2)] if self._cuda else []
         self._flip = 0
@@ -182,14 +179,8 @@ class ModelRunner:
             parts.append(np.asarray([params.top_k, params.keys], dtype=np.int64).reshape(-1))
         staged = self._staging.put(parts, torch.long) if parts else []
         logits = []
-        # With prefill in the step, the decode rows join its forward (one read of the weights)
-        mixed = None
         if decode:
-            decode_rows, inputs = [rows[i] for i in decode], staged.pop(0).view(5, -1)
-            if prefill and self._mixed:
-                mixed = tuple(self._decode_ids(decode_rows, inputs)[:, :len(decode)])
-            else:
-                logits.append(self._decode(decode_rows, inputs))
+            logits.append(self._decode([rows[i] for i in decode], staged.pop(0).view(5, -1)))
         bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
         device_params = None
         if params.sampled:
@@ -199,10 +190,8 @@ class ModelRunner:
             floats = floats.view(2, -1)
             device_params = DeviceParams(floats[0], floats[1], ints[0], ints[1], params.filtered)
         if prefill:
-            chunks = [(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill]
-            flags = [rows[i].sample for i in prefill]
-            out = (self.model.prefill(chunks, flags) if mixed is None
-                   else self.model.prefill(chunks, flags, decode=mixed))
+            out = self.model.prefill([(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill],
+                                     [rows[i].sample for i in prefill])
             if out.shape[0]:
                 logits.append(out)
         if not order:
@@ -233,19 +222,14 @@ class ModelRunner:
         out[4, :n] = [r.prev if not r.tokens else 0 for r in rows]
         return out.reshape(-1)
 
-    def _decode_ids(self, rows: list[StepRow], inputs: Tensor) -> Tensor:
-        """(3, bucket) ids, positions, slots: the optimistic rows' ids taken from the previous
-        step's samples, on the device. A row that had nothing allowed sampled -1: fed as
-        token 0, its result is dropped anyway."""
+    def _decode(self, rows: list[StepRow], inputs: Tensor) -> Tensor:
         if any(not r.tokens for r in rows):
+            # Optimistic rows: the previous step's sample, on the device. A row that had
+            # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
             ahead = self._prev[inputs[4]].clamp(min=0)
             inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
-        return inputs[:3]
-
-    def _decode(self, rows: list[StepRow], inputs: Tensor) -> Tensor:
-        inputs = self._decode_ids(rows, inputs)
         if self.graphs is not None:
-            return self.graphs.run(inputs, len(rows))
+            return self.graphs.run(inputs[:3], len(rows))
         return self.model.decode(inputs[0], inputs[1], inputs[2])
 
     def warm_up(self) -> None:

@@ -153,22 +153,6 @@ def test_one_row_through_the_gemv_kernels_matches_the_batched_layers(random_llam
     assert _relative_error(fused, layered) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_rows_in_a_prefill_forward_match_the_decode_step(random_llama, dtype):
-    """A step that mixes prefill and decode runs them in one forward (RoPE in the layers,
-    the decode kernel attending); the rows' logits are the decode step's (RoPE in the
-    kernel), the chunk's the prefill's."""
-    from finsieve.engine.model import CompactLM
-
-    model = CompactLM(_hf(random_llama, dtype), n_slots=4, max_len=256)
-    model.prefill([(s, 0, list(range(100 + s, 140 + s))) for s in range(3)], [False] * 3)
-    rows = tuple(torch.tensor(v, device="cuda") for v in ([7, 8], [40, 40], [0, 2]))
-    chunk = (1, 20, list(range(120, 141)))
-    alone = torch.cat([model.decode(*rows), model.prefill([chunk], [True])])
-    mixed = model.prefill([chunk], [True], decode=rows)
-    assert _relative_error(mixed, alone) < (1e-5 if dtype == torch.float32 else 2e-2)
-
-
 @pytest.fixture(scope="module")
 def graphed(random_llama):
     """The bf16 engine as it serves: compiled, decode in CUDA graphs."""

@@ -76,26 +76,6 @@ def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
     assert int(last.argmax()) == int(whole.argmax())
 
 
-def test_decode_rows_in_a_prefill_forward_give_the_decode_steps_logits(engine, monkeypatch):
-    """A step that mixes prefill and decode runs both in one forward where chunks batch (on
-    CUDA; forced here): the decode rows' logits and cache writes are the decode step's, and
-    the chunks' logits the prefill's."""
-    model = engine.model
-    monkeypatch.setattr(model, "batch_prefill", True)
-    prompts = [engine.tokenizer(f"Question {i}: what does a broker charge?").input_ids for i in range(3)]
-    model.prefill([(s, 0, ids) for s, ids in enumerate(prompts)], [False] * 3)
-    rows = (torch.tensor([42, 7]), torch.tensor([len(prompts[0]), len(prompts[2])]), torch.tensor([0, 2]))
-    chunk = (1, 5, prompts[1][5:])
-    alone = [model.decode(*rows), model.prefill([chunk], [True])]
-    cached = [(model.cache.k[i][:3].clone(), model.cache.v[i][:3].clone()) for i in (0, -1)]
-    mixed = model.prefill([chunk], [True], decode=rows)
-    torch.testing.assert_close(mixed, torch.cat(alone), atol=1e-4, rtol=1e-4)
-    assert mixed.argmax(-1).tolist() == torch.cat(alone).argmax(-1).tolist()
-    for (k, v), i in zip(cached, (0, -1), strict=True):
-        torch.testing.assert_close(model.cache.k[i][:3], k, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(model.cache.v[i][:3], v, atol=1e-5, rtol=1e-5)
-
-
 def test_varlen_keys_are_each_chunks_slot_prefix():
     """The index the CUDA prefill gathers keys with: each chunk's slot, positions 0 to its end."""
     cache = torch.randn(4, 2, 16, 3)
