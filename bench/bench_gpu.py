@@ -809,10 +809,51 @@ def phase_profile(args) -> dict:
                                                 "of_copy": rate / bandwidth if bandwidth else None}
             print(f"  matmul {name:>9} x {rows:>2} rows: {ms * 1000:7.1f} us, {rate / 1e12:.2f} TB/s"
                   + (f" ({rate / bandwidth:.0%} of copy)" if bandwidth else ""), flush=True)
+    out["prefill"] = _prefill_costs(engine)
     out["one_row"] = _one_row_paths(m)
-    out["gemv"] = _gemv_tiles(m, bandwidth)
+    if "gemv" in args.sweeps:
+        out["gemv"] = _gemv_tiles(m, bandwidth)
     if "attention" in args.sweeps:
         out["attention"] = _attention_configs(m, bandwidth)
+    return out
+
+
+def _prefill_costs(engine) -> dict:
+    """A prefill forward of 320 to 2,048 fresh tokens (prompts of at most 512), alone and
+    after a 128-row decode graph as in a mixed step: the host's time to issue it, the
+    device's time, and the wall time of the step."""
+    import torch
+
+    m, graphs = engine.model, engine.runner.graphs
+    rows = torch.zeros(3, 128, dtype=torch.long, device="cuda")
+    rows[1], rows[2] = 500, torch.arange(128, device="cuda")
+    out = {}
+    for tokens in (320, 640, 1024, 2048):
+        sizes = [min(512, tokens - i) for i in range(0, tokens, 512)] if tokens != 640 else [320, 320]
+        chunks = [(j, 0, [1000 + j] * n) for j, n in enumerate(sizes)]
+        for label, decode in (("alone", False), ("after 128 rows", True)):
+            issue, device, wall = [], [], []
+            for i in range(8):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                if decode and graphs is not None:
+                    graphs.run(rows, 128)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                m.prefill(chunks, [True] * len(chunks))
+                e.record()
+                issued = time.perf_counter()
+                e.synchronize()
+                if i >= 2:
+                    issue.append(1000 * (issued - t))
+                    device.append(s.elapsed_time(e))
+                    wall.append(1000 * (time.perf_counter() - t))
+            row = {"issue_ms": statistics.median(issue), "prefill_device_ms": statistics.median(device),
+                   "wall_ms": statistics.median(wall)}
+            out[f"{tokens} {label}"] = row
+            print(f"  prefill {tokens:>5} tokens {label:>14}: host issues in {row['issue_ms']:6.2f} ms, "
+                  f"device {row['prefill_device_ms']:6.2f} ms, step wall {row['wall_ms']:6.2f} ms",
+                  flush=True)
     return out
 
 
@@ -1056,8 +1097,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--max-context", type=int, default=1024)
-    ap.add_argument("--sweeps", nargs="*", default=["attention"],
-                    help="profile: the tile sweeps beside the GEMV one's (attention)")
+    ap.add_argument("--sweeps", nargs="*", default=["attention", "gemv"],
+                    help="profile: the tile sweeps to run (attention, gemv)")
     ap.add_argument("--gateways", type=int, default=4)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--tests-timeout", type=float, default=150)
