@@ -15,8 +15,9 @@ written to the JSON after every phase, a table printed at the end:
               off and rules on (default packs + 10,000 synthetic literals) at 1/16/64/128
               streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; each
               level twice: every stream started at once, and in the steady state (`steady`:
-              streams out of phase, see run_engine_level); 64 requests arriving at once
-              (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
+              streams out of phase, see run_engine_level); the steady state at 64+ streams
+              without prompt batching (`steady-nb`, the baseline of FINSIEVE_PROMPT_BATCH_TOKENS);
+              64 requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
               empty pack), same levels; start-up until the engine is SERVING
@@ -339,6 +340,19 @@ def phase_inprocess(args) -> dict:
                       f"errors {row['errors']}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     engine.policy = lambda: policy
+    # The baseline of the prompt batching: the steady state with every prompt prefilled in
+    # the step after it arrives
+    result["steady_unbatched"] = []
+    batch, engine.scheduler.prompt_batch = engine.scheduler.prompt_batch, 0
+    for n in [n for n in args.levels if n >= 64]:
+        if time_left(args) < 60:
+            break
+        row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
+        row.update(streams=n, rules="on")
+        result["steady_unbatched"].append(row)
+        print(f"  in-process {n:>3} streams rules on steady, prompts not batched: "
+              f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+    engine.scheduler.prompt_batch = batch
     if time_left(args) < 30:
         return result
     burst = min(64, max(args.levels))
@@ -1043,7 +1057,7 @@ def table(r: dict) -> str:
     lines.append(f"{'path':<10} {'streams':>7} {'rules':>5} {'tok/s':>8} {'vs floor':>8} {'vs hf1':>7} "
                  f"{'vs hfB':>7} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'repairs':>7}")
     for phase, key, path in (("inprocess", "levels", "inprocess"), ("inprocess", "steady", "steady"),
-                             ("serve", "levels", "serve")):
+                             ("inprocess", "steady_unbatched", "steady-nb"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None

@@ -76,6 +76,9 @@ class EngineLimits:
     gpu_memory_utilization: float = 0.9
     compile: bool = True  # CUDA only
     cuda_graphs: bool = True  # CUDA only
+    # CUDA only (on the CPU a prefill costs its tokens, so waiting would gain nothing)
+    prompt_batch_tokens: int = 1024
+    prompt_wait_steps: int = 16
 
 
 class EngineFailed(RuntimeError):
@@ -107,8 +110,10 @@ class LLMEngine:
         self.policy = policy  # the policy in force now; a request keeps the one it started with
         self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
         self.max_batch = self.model.n_slots
+        batching = device.type == "cuda"
         self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
-                                   self.max_context)
+                                   self.max_context, limits.prompt_batch_tokens if batching else 0,
+                                   limits.prompt_wait_steps)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self.token_bytes = token_byte_table(self.tokenizer.get_vocab(), special)
         self._inbox: queue.SimpleQueue[Sequence | _Cancel] = queue.SimpleQueue()

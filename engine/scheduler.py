@@ -14,6 +14,12 @@ positions; the model runner feeds them. Every running sequence is in one of thre
     from the device (optimistic: the rules check it while this step runs; if they refuse
     it, this row's result is dropped and the position decoded again).
 
+While streams decode, a fresh prompt may wait a few steps for others to share its prefill
+forward (`prompt_batch`, `prompt_wait_steps`; TGI's max_waiting_tokens does the same): on an
+H200 the host takes ~20 ms to issue a prefill forward of anything up to ~1,000 tokens
+(bench_gpu.py --phases profile), so prompts arriving one a step, as a server's do, cost the
+running streams a third of their throughput.
+
 A rollback (SAR), resample or rewrite is not special work: the sequence's tokens change and
 `Sequence.redo` sets its KV length back; the next `schedule` feeds what the cache lacks.
 Cancel and finish free the slot at once. Requests are indexed by (sink, request id), so a
@@ -48,11 +54,15 @@ class Row:
 
 
 class Scheduler:
-    def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_context: int) -> None:
+    def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_context: int,
+                 prompt_batch: int = 0, prompt_wait_steps: int = 0) -> None:
         self.n_slots = n_slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.max_context = max_context
+        self.prompt_batch = prompt_batch  # 0: a prompt is prefilled in the step after it arrives
+        self.prompt_wait_steps = prompt_wait_steps
+        self._steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free = list(range(n_slots - 1, -1, -1))
@@ -120,6 +130,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             seq.kv_len = seq.ahead = seq.stale = 0
             seq.admitted_at = time.monotonic()
+            seq.admitted_step = self._steps
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -128,6 +139,8 @@ class Scheduler:
         """The rows of the next step; marks what they will write and sample."""
         rows: list[Row] = []
         budget = self.prefill_chunk
+        self._steps += 1
+        hold = self._hold_prompts()
         for seq in self.running:
             if seq.ahead:
                 if self._may_run_ahead(seq):
@@ -141,6 +154,8 @@ class Scheduler:
                 seq.kv_len += 1
                 seq.ahead += 1
                 continue
+            if hold and seq.kv_len == 0:
+                continue  # a fresh prompt waits for company (see _hold_prompts)
             n = min(feed, self.prefill_chunk - seq.kv_len % self.prefill_chunk)
             if n > budget and budget < self.prefill_chunk:
                 continue  # the next step has room for it; one whole chunk always fits
@@ -150,6 +165,25 @@ class Scheduler:
             seq.kv_len += n
             seq.ahead += last
         return rows
+
+    def _hold_prompts(self) -> bool:
+        """Do the fresh prompts wait this step? Only while every other sequence decodes, and
+        until together they fill `prompt_batch` tokens or the oldest has waited
+        `prompt_wait_steps` steps. Text a rewrite forces in, and a prompt already started,
+        never wait: a stream's answer would stall."""
+        if not self.prompt_batch:
+            return False
+        tokens, oldest, decoding = 0, self._steps, False
+        for seq in self.running:
+            if seq.kv_len == 0:
+                tokens += seq.context_len
+                oldest = min(oldest, seq.admitted_step)
+            elif seq.ahead or seq.context_len - seq.kv_len == 1:
+                decoding = True
+            else:
+                return False  # prefill runs this step anyway: the prompts join it
+        return (decoding and 0 < tokens < self.prompt_batch
+                and self._steps - oldest < self.prompt_wait_steps)
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
         """Decode the token a launched step is sampling before the host has seen it, unless

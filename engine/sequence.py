@@ -95,6 +95,7 @@ class Sequence:
     attempts: int = 0  # tokens refused at the current position
     noise_seed: int = 0  # the per-request key of its sampling noise
     admitted_at: float = 0.0
+    admitted_step: int = 0
 
     def __post_init__(self) -> None:
         self.text = IncrementalText(self.guard.token_bytes)

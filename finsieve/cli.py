@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int)
     s.add_argument("--max-waiting", type=int, help="requests waiting for a KV slot (then refused)")
     s.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step")
+    s.add_argument("--prompt-batch-tokens", type=int,
+                   help="CUDA: fresh prompts wait for this many tokens while streams decode")
+    s.add_argument("--prompt-wait-steps", type=int, help="CUDA: ... or this many steps at most")
     s.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION")
     s.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="CUDA: torch.compile the decode step")

@@ -95,6 +95,11 @@ class Settings:
     prefill_chunk: int = _setting(
         2048, "prompt tokens prefilled per step (chunked prefill): the longest stall a burst of "
         "prompts causes the running streams")
+    prompt_batch_tokens: int = _setting(
+        1024, "CUDA: while streams decode, fresh prompts wait until together they fill this many "
+        "tokens (0: never wait) or the oldest has waited FINSIEVE_PROMPT_WAIT_STEPS steps")
+    prompt_wait_steps: int = _setting(
+        16, "CUDA: the most decode steps a fresh prompt waits for others (see prompt_batch_tokens)")
     gpu_memory_utilization: float = _setting(
         0.9, "CUDA: share of the device's memory the engine may fill (weights + KV slots)")
     compile: bool = _setting(True, "CUDA: torch.compile the decode step (fuses elementwise work)")
@@ -172,7 +177,7 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
         for name in ("key_cache_s", "tenant_requests_per_s", "tenant_tokens_per_min",
-                     "tenant_concurrent_streams"):
+                     "tenant_concurrent_streams", "prompt_batch_tokens", "prompt_wait_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.key_cache_max <= 0:

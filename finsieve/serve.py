@@ -162,7 +162,8 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
                           settings.batch_invariant, settings.max_rollbacks, settings.max_waiting,
                           settings.prefill_chunk, settings.gpu_memory_utilization,
-                          settings.compile, settings.cuda_graphs)
+                          settings.compile, settings.cuda_graphs, settings.prompt_batch_tokens,
+                          settings.prompt_wait_steps)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     holder = None
     if settings.rules:

@@ -72,6 +72,56 @@ def test_a_redone_sequence_feeds_what_the_cache_lacks_and_drops_launched_results
     assert (row.start, row.tokens, row.sample) == (11, [7, 8, 9], True)
 
 
+def _step(s: Scheduler) -> list[tuple[str, int]]:
+    """One step, the host accepting every sampled token before the next: (request, tokens fed)."""
+    rows = s.schedule()
+    for row in rows:
+        if row.sample:
+            row.seq.ahead -= 1
+            row.seq.output_ids.append(7)
+    return [(r.seq.request_id, len(r.tokens)) for r in rows]
+
+
+def test_fresh_prompts_wait_for_company_while_streams_decode():
+    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000,
+                  prompt_batch=60, prompt_wait_steps=3)
+    s.add(_seq("running", 10))
+    s.admit()
+    assert _step(s) == [("running", 10)]
+    s.add(_seq("first", 25))
+    s.admit()
+    # two steps of decode alone: 25 prompt tokens are fewer than 60, waited < 3 steps
+    assert [_step(s) for _ in range(2)] == [[("running", 1)]] * 2
+    s.add(_seq("second", 40))
+    s.admit()
+    # together 65 tokens: both are prefilled beside the decode row
+    assert _step(s) == [("running", 1), ("first", 25), ("second", 40)]
+
+
+def test_a_lone_prompt_waits_no_longer_than_the_steps_allowed_and_never_when_idle():
+    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000,
+                  prompt_batch=60, prompt_wait_steps=3)
+    s.add(_seq("idle", 5))
+    s.admit()
+    assert _step(s) == [("idle", 5)]  # nothing decodes: at once
+    s.add(_seq("late", 5))
+    s.admit()
+    assert [_step(s) for _ in range(3)] == [[("idle", 1)], [("idle", 1)], [("idle", 1), ("late", 5)]]
+
+
+def test_a_rewrite_is_never_held_and_fresh_prompts_join_it():
+    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000,
+                  prompt_batch=60, prompt_wait_steps=50)
+    seq = _seq("rewritten", 10)
+    s.add(seq)
+    s.admit()
+    _step(s)
+    seq.output_ids[-1:] = [1, 2, 3]  # a rewrite forced three tokens in: the cache lacks two
+    s.add(_seq("fresh", 5))
+    s.admit()
+    assert _step(s) == [("rewritten", 3), ("fresh", 5)]
+
+
 def test_the_waiting_queue_is_bounded_with_a_retry_hint_and_ids_are_unique():
     s = Scheduler(n_slots=1, max_waiting=2, prefill_chunk=100, max_context=1000)
     s.add(_seq("a", 5))
