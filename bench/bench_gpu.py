@@ -283,6 +283,9 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
         row = summarize(done, wall, [d for _, d in steps[2:]])
     else:
         t_a, t_b = all_running, idle_from or time.perf_counter()
+        if t_b <= t_a:  # a stream was done before the last one started: no steady window
+            return {"error": "no steady window (answers too short for the streams' spread)",
+                    "tokens_per_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0, "errors": 0}
         row = summarize([r for r in done if t_a <= r["submitted"] <= t_b], t_b - t_a,
                         [d for t, d in steps if t_a <= t <= t_b])
         row["tokens"] = sum(n for sink in sinks for t, n in zip(sink.times, sink.tokens, strict=True)
@@ -344,15 +347,17 @@ def phase_inprocess(args) -> dict:
     # the step after it arrives
     result["steady_unbatched"] = []
     batch, engine.scheduler.prompt_batch = engine.scheduler.prompt_batch, 0
-    for n in [n for n in args.levels if n >= 64]:
-        if time_left(args) < 60:
-            break
-        row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
-        row.update(streams=n, rules="on")
-        result["steady_unbatched"].append(row)
-        print(f"  in-process {n:>3} streams rules on steady, prompts not batched: "
-              f"{row['tokens_per_s']:.0f} tok/s", flush=True)
-    engine.scheduler.prompt_batch = batch
+    try:
+        for n in [n for n in args.levels if n >= 64]:
+            if time_left(args) < 60:
+                break
+            row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
+            row.update(streams=n, rules="on")
+            result["steady_unbatched"].append(row)
+            print(f"  in-process {n:>3} streams rules on steady, prompts not batched: "
+                  f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+    finally:
+        engine.scheduler.prompt_batch = batch
     if time_left(args) < 30:
         return result
     burst = min(64, max(args.levels))
@@ -839,19 +844,22 @@ def _prefill_costs(engine) -> dict:
     import torch
 
     m, graphs = engine.model, engine.runner.graphs
-    rows = torch.zeros(3, 128, dtype=torch.long, device="cuda")
-    rows[1], rows[2] = 500, torch.arange(128, device="cuda")
+    size = graphs.buckets[-1] if graphs else 0  # the largest decode bucket (128 here)
+    rows = torch.zeros(3, size, dtype=torch.long, device="cuda")
+    rows[1] = min(500, m.cache.max_len - 1)
+    rows[2] = torch.arange(size, device="cuda") % m.n_slots
     out = {}
     for tokens in (320, 640, 1024, 2048):
         sizes = [min(512, tokens - i) for i in range(0, tokens, 512)] if tokens != 640 else [320, 320]
-        chunks = [(j, 0, [1000 + j] * n) for j, n in enumerate(sizes)]
-        for label, decode in (("alone", False), ("after 128 rows", True)):
+        sizes = [min(n, m.cache.max_len) for n in sizes]
+        chunks = [(j % m.n_slots, 0, [1000 + j] * n) for j, n in enumerate(sizes)]
+        for label, decode in (("alone", False), (f"after {size} rows", True))[:2 if size else 1]:
             issue, device, wall = [], [], []
             for i in range(8):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                if decode and graphs is not None:
-                    graphs.run(rows, 128)
+                if decode:
+                    graphs.run(rows, size)
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 m.prefill(chunks, [True] * len(chunks))

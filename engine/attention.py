@@ -197,7 +197,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     overlap = overlapped(q)
     cos, sin = rope if rope is not None else (q, q)  # unread without ROPE
-    assert rope is None or (cos.is_contiguous() and cos.shape[-1] == dim), \
+    assert rope is None or all(t.is_contiguous() and t.shape[-1] == dim for t in rope), \
         "RoPE tables must be (positions, head_dim), contiguous"
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
@@ -263,7 +263,7 @@ if triton is not None:
         k_at = Knew + row * skn_row + kv_head * skn_head
         k_new = tl.load(k_at + d)
         v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
-        if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as compiled)
+        if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)
             cos = tl.load(Cos + last * DIM + d).to(tl.float32)
             sin = tl.load(Sin + last * DIM + d).to(tl.float32)
             swap = (d + DIM // 2) % DIM

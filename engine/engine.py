@@ -76,7 +76,8 @@ class EngineLimits:
     gpu_memory_utilization: float = 0.9
     compile: bool = True  # CUDA only
     cuda_graphs: bool = True  # CUDA only
-    # CUDA only (on the CPU a prefill costs its tokens, so waiting would gain nothing)
+    # CUDA only: where a step's chunks share one forward (on the CPU, and for the transformers
+    # fallback, each chunk runs alone and costs its tokens, so waiting would gain nothing)
     prompt_batch_tokens: int = 1024
     prompt_wait_steps: int = 16
 
@@ -110,7 +111,7 @@ class LLMEngine:
         self.policy = policy  # the policy in force now; a request keeps the one it started with
         self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
         self.max_batch = self.model.n_slots
-        batching = device.type == "cuda"
+        batching = getattr(self.model, "batch_prefill", False)  # one forward for every chunk
         self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
                                    self.max_context, limits.prompt_batch_tokens if batching else 0,
                                    limits.prompt_wait_steps)

@@ -108,7 +108,8 @@ class CompactLM:
 
     def set_compiled(self, compiled: bool) -> None:
         """Compile the layer parts (CUDA): one compiled function per part serves every layer,
-        batch size and prefill chunk."""
+        batch size and prefill chunk (attn_in compiles twice: with RoPE for prefill, without
+        for decode)."""
         parts = self._eager
         if compiled:
             parts = tuple(torch.compile(p, dynamic=True) for p in parts)

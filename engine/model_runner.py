@@ -237,8 +237,9 @@ class ModelRunner:
         fails here, at start-up (and the engine falls back), not on a request."""
         scratch = self.model.cache.scratch
         self.model.prefill([(scratch, 0, [0] * min(64, self.model.cache.max_len))], [True])
-        zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.model.decode(zero, zero, zero + scratch)
+        for rows in (1, 2):  # one row and the batched layers (apart where GEMVs take one row)
+            zero = torch.zeros(rows, dtype=torch.long, device=self.device)
+            self.model.decode(zero, zero, zero + scratch)
         torch.cuda.synchronize()
 
     def healthy(self) -> bool:

@@ -63,6 +63,7 @@ class Scheduler:
         self.prompt_batch = prompt_batch  # 0: a prompt is prefilled in the step after it arrives
         self.prompt_wait_steps = prompt_wait_steps
         self._steps = 0
+        self._released_through = -1  # prompts admitted by this step are not held again
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free = list(range(n_slots - 1, -1, -1))
@@ -167,23 +168,33 @@ class Scheduler:
         return rows
 
     def _hold_prompts(self) -> bool:
-        """Do the fresh prompts wait this step? Only while every other sequence decodes, and
-        until together they fill `prompt_batch` tokens or the oldest has waited
-        `prompt_wait_steps` steps. Text a rewrite forces in, and a prompt already started,
-        never wait: a stream's answer would stall."""
+        """Do the fresh prompts wait this step? Only while other sequences decode, and until
+        together they fill `prompt_batch` tokens (at most a chunk) or the oldest has waited
+        `prompt_wait_steps` steps; prompts once released (some may not fit the step's chunk)
+        never wait again. Text a rewrite forces in, and a prompt already started, never
+        wait: a stream's answer would stall."""
         if not self.prompt_batch:
             return False
         tokens, oldest, decoding = 0, self._steps, False
         for seq in self.running:
-            if seq.kv_len == 0:
-                tokens += seq.context_len
+            feed = seq.context_len - seq.kv_len
+            if seq.kv_len == 0 and feed > 1:
+                if seq.admitted_step <= self._released_through:
+                    return False
+                tokens += feed
                 oldest = min(oldest, seq.admitted_step)
-            elif seq.ahead or seq.context_len - seq.kv_len == 1:
-                decoding = True
-            else:
+            elif (seq.ahead and self._may_run_ahead(seq)) or (not seq.ahead and feed == 1):
+                decoding = True  # a decode row in this step
+            elif not seq.ahead:
                 return False  # prefill runs this step anyway: the prompts join it
-        return (decoding and 0 < tokens < self.prompt_batch
-                and self._steps - oldest < self.prompt_wait_steps)
+        waited = self._steps - 1 - oldest  # steps held so far
+        if not tokens:
+            return False
+        if decoding and tokens < min(self.prompt_batch, self.prefill_chunk) \
+                and waited < self.prompt_wait_steps:
+            return True
+        self._released_through = self._steps - 1  # every prompt admitted before this step
+        return False
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
         """Decode the token a launched step is sampling before the host has seen it, unless

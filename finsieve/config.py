@@ -99,7 +99,8 @@ class Settings:
         1024, "CUDA: while streams decode, fresh prompts wait until together they fill this many "
         "tokens (0: never wait) or the oldest has waited FINSIEVE_PROMPT_WAIT_STEPS steps")
     prompt_wait_steps: int = _setting(
-        16, "CUDA: the most decode steps a fresh prompt waits for others (see prompt_batch_tokens)")
+        16, "CUDA: the most decode steps a fresh prompt waits for others (0: never; see "
+        "prompt_batch_tokens)")
     gpu_memory_utilization: float = _setting(
         0.9, "CUDA: share of the device's memory the engine may fill (weights + KV slots)")
     compile: bool = _setting(True, "CUDA: torch.compile the decode step (fuses elementwise work)")

@@ -84,14 +84,14 @@ def _step(s: Scheduler) -> list[tuple[str, int]]:
 
 def test_fresh_prompts_wait_for_company_while_streams_decode():
     s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000,
-                  prompt_batch=60, prompt_wait_steps=3)
+                  prompt_batch=60, prompt_wait_steps=50)
     s.add(_seq("running", 10))
     s.admit()
     assert _step(s) == [("running", 10)]
     s.add(_seq("first", 25))
     s.admit()
-    # two steps of decode alone: 25 prompt tokens are fewer than 60, waited < 3 steps
-    assert [_step(s) for _ in range(2)] == [[("running", 1)]] * 2
+    # decode alone: 25 prompt tokens are fewer than 60
+    assert [_step(s) for _ in range(5)] == [[("running", 1)]] * 5
     s.add(_seq("second", 40))
     s.admit()
     # together 65 tokens: both are prefilled beside the decode row
@@ -106,7 +106,37 @@ def test_a_lone_prompt_waits_no_longer_than_the_steps_allowed_and_never_when_idl
     assert _step(s) == [("idle", 5)]  # nothing decodes: at once
     s.add(_seq("late", 5))
     s.admit()
-    assert [_step(s) for _ in range(3)] == [[("idle", 1)], [("idle", 1)], [("idle", 1), ("late", 5)]]
+    assert [_step(s) for _ in range(4)] == [[("idle", 1)]] * 3 + [[("idle", 1), ("late", 5)]]
+
+
+def _running_and(s: Scheduler, *prompts: tuple[str, int]) -> None:
+    """A sequence that decodes, then each prompt admitted one step after the other."""
+    s.add(_seq("running", 5))
+    s.admit()
+    _step(s)
+    for name, n in prompts:
+        s.add(_seq(name, n))
+        s.admit()
+        assert _step(s) == [("running", 1)]  # held
+
+
+def test_the_oldest_prompt_sets_the_wait():
+    s = Scheduler(n_slots=6, max_waiting=8, prefill_chunk=200, max_context=1000,
+                  prompt_batch=150, prompt_wait_steps=3)
+    _running_and(s, ("first", 60), ("second", 50))  # the newer does not restart the wait
+    assert _step(s) == [("running", 1)]
+    assert _step(s) == [("running", 1), ("first", 60), ("second", 50)]  # first waited 3
+
+
+def test_a_prompt_released_once_is_not_held_again():
+    s = Scheduler(n_slots=6, max_waiting=8, prefill_chunk=100, max_context=1000,
+                  prompt_batch=100, prompt_wait_steps=50)
+    _running_and(s, ("first", 60))
+    s.add(_seq("second", 50))
+    s.admit()
+    # 110 tokens: released; the step's chunk takes the first, the second follows at once
+    assert _step(s) == [("running", 1), ("first", 60)]
+    assert _step(s) == [("running", 1), ("first", 1), ("second", 50)]
 
 
 def test_a_rewrite_is_never_held_and_fresh_prompts_join_it():
@@ -116,7 +146,7 @@ def test_a_rewrite_is_never_held_and_fresh_prompts_join_it():
     s.add(seq)
     s.admit()
     _step(s)
-    seq.output_ids[-1:] = [1, 2, 3]  # a rewrite forced three tokens in: the cache lacks two
+    seq.output_ids[-1:] = [1, 2, 3]  # a rewrite: the cache lacks these three tokens
     s.add(_seq("fresh", 5))
     s.admit()
     assert _step(s) == [("rewritten", 3), ("fresh", 5)]
