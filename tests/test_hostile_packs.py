@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import sys
 import threading
 import time
 import tracemalloc
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from finsieve.client import chat_request
-from finsieve.policy.matcher import REGEX_TIMEOUTS, StreamMatcher
+from finsieve.policy.matcher import REGEX_TIMEOUTS, StreamMatcher, scan_text
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
 from finsieve.policy.schema import PackError
@@ -281,6 +282,37 @@ def test_a_regex_that_does_not_time_out_matches_as_before(tmp_path):
     matcher = StreamMatcher(Pack.load(tmp_path).output)
     found = matcher.feed(b"xx aaab yy") + matcher.finish()
     assert [(m.rule.id, m.text) for m in found] == [("ok", "aaab")]
+
+
+def test_a_search_that_waits_for_the_gil_is_not_a_timeout(tmp_path):
+    """`regex` times a search on the wall clock, and a search of a whole text gives the GIL
+    up and takes it back. Beside busy threads (the engine's decode loop) benign prompts went
+    past the timeout and were refused; only the search's own CPU time may count."""
+    (tmp_path / "a.yaml").write_text(rule("card", r"'\b\d{4}[ -]\d{4}[ -]\d{4}[ -]\d{4}\b'",
+                                          kind="regex", action="halt",
+                                          extra="    scope: both\n    max_span: 40\n"))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.002))
+    text = " ".join(f"note {i} on the client's 2024 savings plan and fees" for i in range(60))
+    before = REGEX_TIMEOUTS.labels("card")._value.get()
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))  # Python work that holds the GIL, as the decode loop's guards do
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # as the engine process sets it
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        found = [m for _ in range(20) for m in scan_text(pack.input, text)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert found == [] and REGEX_TIMEOUTS.labels("card")._value.get() == before
 
 
 # -- through a running server -----------------------------------------------------------------------
