@@ -24,7 +24,8 @@ written to the JSON after every phase, a table printed at the end:
   hf_batch    transformers continuous batching (`generate_batch`), 64 requests
   hf_generate transformers `generate`, static cache + torch.compile, batch 1
   profile     (only when named) the decode step's kernels by device time at 1 and 64 rows,
-              each weight's matmul alone against the copy bandwidth
+              each weight's matmul alone against the copy bandwidth, a prefill forward's
+              host and device time by size; `--sweeps`: the tile sweeps
 
 Prompts are 128-512 tokens, 256 new tokens, greedy. Each stream sends `--rounds` requests
 one after the other (a closed loop); tokens/s = completion tokens / wall time of the level.
