@@ -192,6 +192,7 @@ class TimingSink:
         self.tokens: list[int] = []
         self.done = False
         self.error = ""
+        self.finish = ""
 
     def deliver(self, events) -> None:
         now = time.perf_counter()
@@ -201,9 +202,15 @@ class TimingSink:
                 self.times.append(now)
                 self.tokens.append(e.delta.tokens)
             elif kind == "finished":
-                self.done = True
+                self.done, self.finish = True, finish_name(e.finished.finish_reason)
             elif kind == "error":
                 self.done, self.error = True, e.error.message
+
+
+def finish_name(reason: int) -> str:
+    from finsieve.v1 import chat_pb2
+
+    return chat_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -> dict:
@@ -214,7 +221,10 @@ def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -
            "ttft_p50_ms": 1000 * (pct(ttft, 0.5) or 0), "ttft_p99_ms": 1000 * (pct(ttft, 0.99) or 0),
            "itl_p50_ms": 1000 * (pct(gaps, 0.5) or 0), "itl_p99_ms": 1000 * (pct(gaps, 0.99) or 0),
            "errors": sum(1 for r in reqs if r["error"]),
-           "error_examples": sorted({r["error"][:200] for r in reqs if r["error"]})[:3]}
+           "error_examples": sorted({r["error"][:200] for r in reqs if r["error"]})[:3],
+           # how the requests ended: a level whose answers end early (a refusal, a halt)
+           # has fewer tokens, and a shorter wall, than its neighbours
+           "finishes": dict(Counter(r.get("finish") or "none" for r in reqs))}
     if steps:
         row["step_p50_ms"] = 1000 * pct(steps, 0.5)
         row["step_p99_ms"] = 1000 * pct(steps, 0.99)
@@ -271,6 +281,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
                 done.append({"ttft": sink.times[0] - t0 if sink.times else None,
                              "gaps": [b - a for a, b in zip(sink.times, sink.times[1:], strict=False)],
                              "tokens": sum(sink.tokens), "error": sink.error,
+                             "finish": sink.finish,
                              "first_at": sink.times[0] - start if sink.times else None,
                              "submitted": t0})
                 del live[s]
@@ -341,7 +352,7 @@ def phase_inprocess(args) -> dict:
                 result["steady" if spread else "levels"].append(row)
                 print(f"  in-process {n:>3} streams rules {name}{' steady' if spread else ''}: "
                       f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms, "
-                      f"errors {row['errors']}", flush=True)
+                      f"errors {row['errors']}, finishes {row.get('finishes')}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     engine.policy = lambda: policy
     # The baseline of the prompt batching: the steady state with every prompt prefilled in
@@ -467,7 +478,7 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
                     yield chat_pb2.ChatClientMessage(request=req)
 
                 t0 = time.perf_counter()
-                times, tokens, error, version = [], [], "", ""
+                times, tokens, error, version, finish = [], [], "", "", ""
                 async for e in stub.Chat(send(), timeout=180):
                     kind = e.WhichOneof("event")
                     if kind == "started":
@@ -479,10 +490,11 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
                         error = e.error.message
                         break
                     elif kind == "finished":
+                        finish = finish_name(e.finished.finish_reason)
                         break
                 out.append({"ttft": times[0] - t0 if times else None, "tokens": sum(tokens),
                             "gaps": [b - a for a, b in itertools.pairwise(times)],
-                            "error": error, "policy_version": version})
+                            "error": error, "policy_version": version, "finish": finish})
         return out
 
     async def main() -> list[dict]:
@@ -630,7 +642,8 @@ def phase_serve(args) -> dict:
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row.get('errors')} "
-                      f"{row.get('error_examples') or row.get('error', '')}", flush=True)
+                      f"{row.get('error_examples') or row.get('error', '')}, finishes "
+                      f"{row.get('finishes')}", flush=True)
                 _save_logs(logs, args)
                 Path(args.result).write_text(json.dumps(result))
     finally:
