@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from finsieve.client import chat_request
-from finsieve.policy.matcher import REGEX_TIMEOUTS, StreamMatcher, scan_text
+from finsieve.policy.matcher import MAX_WAIT_S, REGEX_TIMEOUTS, StreamMatcher, scan_text
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
 from finsieve.policy.schema import PackError
@@ -284,35 +284,54 @@ def test_a_regex_that_does_not_time_out_matches_as_before(tmp_path):
     assert [(m.rule.id, m.text) for m in found] == [("ok", "aaab")]
 
 
-def test_a_search_that_waits_for_the_gil_is_not_a_timeout(tmp_path):
-    """`regex` times a search on the wall clock, and a search of a whole text gives the GIL
-    up and takes it back. Beside busy threads (the engine's decode loop) benign prompts went
-    past the timeout and were refused; only the search's own CPU time may count."""
+@contextlib.contextmanager
+def busy_threads(n: int = 2):
+    """Threads doing Python work in this process, as the engine's decode loop does."""
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # as the engine process sets it
+    threads = [threading.Thread(target=busy) for _ in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+
+
+def test_a_search_slowed_by_other_threads_is_not_a_timeout(tmp_path):
+    """`regex` counts its timeout on the process's CPU clock. Beside busy threads (the
+    engine's decode loop) benign prompts' input scans went past it and were refused; only
+    the search's own CPU time may count."""
     (tmp_path / "a.yaml").write_text(rule("card", r"'\b\d{4}[ -]\d{4}[ -]\d{4}[ -]\d{4}\b'",
                                           kind="regex", action="halt",
                                           extra="    scope: both\n    max_span: 40\n"))
     pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.002))
     text = " ".join(f"note {i} on the client's 2024 savings plan and fees" for i in range(60))
     before = REGEX_TIMEOUTS.labels("card")._value.get()
-    stop = threading.Event()
-
-    def busy() -> None:
-        while not stop.is_set():
-            sum(range(1000))  # Python work that holds the GIL, as the decode loop's guards do
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)  # as the engine process sets it
-    threads = [threading.Thread(target=busy) for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
+    with busy_threads():
         found = [m for _ in range(20) for m in scan_text(pack.input, text)]
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        sys.setswitchinterval(interval)
     assert found == [] and REGEX_TIMEOUTS.labels("card")._value.get() == before
+
+
+def test_a_backtracking_input_scan_beside_busy_threads_fails_closed_in_bounded_time(tmp_path):
+    (tmp_path / "a.yaml").write_text(rule("slow", "'(a|aa)+b'", kind="regex", action="halt",
+                                          extra="    scope: both\n    max_span: 100\n"))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.02))
+    with busy_threads(4):
+        started = time.perf_counter()
+        found = scan_text(pack.input, "x " * 20 + "a" * 60 + "c")
+        took = time.perf_counter() - started
+    assert [m.rule.id for m in found] == ["slow"]
+    assert took < 1.5 * MAX_WAIT_S, took  # retries stop at the scan's deadline
 
 
 # -- through a running server -----------------------------------------------------------------------

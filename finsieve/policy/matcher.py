@@ -31,31 +31,32 @@ from .validators import VALIDATORS
 
 REGEX_TIMEOUTS = Counter("finsieve_regex_timeouts", "Regex searches past the rules' timeout "
                          "(each counted as a match: fail closed)", ["rule_id"])
-# A search that timed out having used less than its timeout of its thread's CPU time was
-# waiting, not backtracking; it is tried again with a longer wall clock, up to this long.
+# How long a whole-text scan may retry searches that timed out on other threads' work.
 MAX_WAIT_S = 1.0
 
 T = TypeVar("T")
 
 
-def within_cpu_budget(search: Callable[..., T], timeout: float, *args: Any, **kwargs: Any) -> T:
-    """search(*args, timeout=..., **kwargs), where the timeout that fails closed is the
-    search's own CPU time. `regex`'s timeout is wall-clock, and a search that releases the GIL takes it back
-    while it runs: beside the engine's busy decode loop, a whole prompt's input scan (~2 ms
-    of work) went past 20 ms, and benign prompts were refused (56 of 868 requests through
-    gRPC on an H200 at 64 and 128 streams). A search that keeps the GIL (concurrent=False:
-    the streaming window, a few microseconds a token) waits for no thread: the plain timeout."""
-    if kwargs.get("concurrent") is False:
-        return search(*args, timeout=timeout, **kwargs)
-    wall, started = timeout, time.perf_counter()
+def within_cpu_budget(search: Callable[..., T], timeout: float, deadline: float,
+                      *args: Any, **kwargs: Any) -> T:
+    """search(*args, timeout=..., **kwargs), failing closed (TimeoutError) once the search
+    has used `timeout` of its own thread's CPU time, or at `deadline` (perf_counter).
+    `regex` counts its timeout on the process's CPU clock, every thread's work included:
+    beside the engine's busy decode loop, a whole prompt's input scan (~2 ms of its own
+    work) went past 20 ms, and benign prompts were refused (56 of 868 requests through gRPC
+    on an H200 at 64 and 128 streams). A search that timed out having used less than its
+    timeout is tried again with a larger budget."""
+    budget, used = timeout, 0.0
     while True:
         cpu = time.thread_time()
         try:
-            return search(*args, timeout=wall, **kwargs)
+            return search(*args, timeout=budget, **kwargs)
         except TimeoutError:
-            if time.thread_time() - cpu >= timeout or time.perf_counter() - started >= MAX_WAIT_S:
+            used += time.thread_time() - cpu
+            left = deadline - time.perf_counter()
+            if used >= timeout or left <= 0:
                 raise
-            wall *= 4
+            budget = min(4 * budget, left)
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,11 @@ class _Checkpoint(NamedTuple):
 
 
 class StreamMatcher:
-    def __init__(self, rules: RuleSet) -> None:
+    def __init__(self, rules: RuleSet, deadline: float | None = None) -> None:
+        """deadline (perf_counter): a whole-text scan, off the decode loop, whose searches
+        may be retried until then (within_cpu_budget); None: the plain timeout."""
         self.rules = rules
+        self._deadline = deadline
         self.norm = Normalizer()
         self.raw = bytearray()
         self.matches: list[Match] = []
@@ -237,24 +241,30 @@ class StreamMatcher:
         for i, pos in active.items():
             self._search(i, pos, window, base, final, found, concurrent)
 
+    def _regex(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A regex search with the rules' timeout (TimeoutError: fail closed)."""
+        timeout = self.rules.regex_timeout_s
+        if self._deadline is None:  # streaming, on the decode loop: never retried
+            return call(*args, timeout=timeout, **kwargs)
+        return within_cpu_budget(call, timeout, self._deadline, *args, **kwargs)
+
     def _search(self, i: int, pos: int, window: str, base: int, final: bool,
                 found: list[Match], concurrent: bool | None) -> None:
         """Report regex i's settled matches from pos on; remember one still in the making."""
         r = self.rules.regexes[i]
         n = base + len(window)
         while pos < n:
-            timeout = self.rules.regex_timeout_s
             try:
                 # At the end of the stream a match is what it is: no more partials.
-                m = within_cpu_budget(r.pattern.search, timeout, window, pos=pos - base,
-                                      partial=not final, concurrent=concurrent)
+                m = self._regex(r.pattern.search, window, pos=pos - base, partial=not final,
+                                concurrent=concurrent)
                 if m is None:
                     return
                 s, e = m.start() + base, m.end() + base
                 # `regex` prefers a complete match to a partial one: "15%" is complete in
                 # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
-                growing = not final and (m.partial or within_cpu_budget(
-                    r.pattern.fullmatch, timeout, window, pos=s - base, partial=True,
+                growing = not final and (m.partial or self._regex(
+                    r.pattern.fullmatch, window, pos=s - base, partial=True,
                     concurrent=concurrent) is not None)
             except TimeoutError:  # a pattern that backtracks: fail closed, as a match of the rest
                 REGEX_TIMEOUTS.labels(r.rule.id).inc()
@@ -311,7 +321,7 @@ class StreamMatcher:
 
 def scan_text(rules: RuleSet, text: str) -> list[Match]:
     """All matches in a whole text (input rules, tests)."""
-    matcher = StreamMatcher(rules)
+    matcher = StreamMatcher(rules, deadline=time.perf_counter() + MAX_WAIT_S)
     matcher.feed(text.encode())
     matcher.finish()
     return matcher.matches
