@@ -260,17 +260,20 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
         live[stream] = (sink, t0)
         sinks.append(sink)
 
-    first_step = {s: s * max_tokens // streams if spread else 0 for s in range(streams)}
+    starts: dict[int, list[int]] = {}  # step -> the streams whose first request it submits
+    for s in range(streams):
+        starts.setdefault(s * max_tokens // streams if spread else 0, []).append(s)
+    last_start = max(starts)
     pending = dict.fromkeys(range(streams), rounds)
     start = time.perf_counter()
     all_running = idle_from = None  # the steady window: every stream started, none idle yet
     steps: list[tuple[float, float]] = []
     step = 0
-    while live or step <= max(first_step.values()):
-        for s in [s for s, at in first_step.items() if at == step]:
+    while live or step <= last_start:
+        for s in starts.get(step, ()):
             submit(s)
             pending[s] -= 1
-        if step == max(first_step.values()):
+        if step == last_start:
             all_running = time.perf_counter()
         t = time.perf_counter()
         engine.step()

@@ -187,9 +187,9 @@ class Scheduler:
                 decoding = True  # a decode row in this step
             elif not seq.ahead:
                 return False  # prefill runs this step anyway: the prompts join it
-        waited = self._steps - 1 - oldest  # steps held so far
         if not tokens:
             return False
+        waited = self._steps - 1 - oldest  # steps held so far
         if decoding and tokens < min(self.prompt_batch, self.prefill_chunk) \
                 and waited < self.prompt_wait_steps:
             return True

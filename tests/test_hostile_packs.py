@@ -24,6 +24,7 @@ from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
 from finsieve.policy.schema import PackError
 from finsieve.policy.sources import PackLimits
+from finsieve.serve import ENGINE_SWITCH_INTERVAL_S
 from finsieve.v1 import chat_pb2
 
 from conftest import ChatStream, apply, canary_halts, kinds, wait_for
@@ -294,7 +295,7 @@ def busy_threads(n: int = 2):
             sum(range(1000))
 
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)  # as the engine process sets it
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     threads = [threading.Thread(target=busy) for _ in range(n)]
     for t in threads:
         t.start()
