@@ -431,29 +431,43 @@ def _prefill_flops(args, tokens: int, engine) -> float:
 
 
 def _bare_prefill(engine, args) -> dict:
-    """One prefill step of 4 x 512 fresh tokens, timed on the device: the achieved FLOP/s."""
+    """One prefill step of 4 x 512 fresh tokens, timed on the device (the achieved FLOP/s)
+    and on the host (the time to issue it), eager and replayed from its CUDA graph; and one
+    prompt of 320 tokens, a lone stream's first step."""
     import torch
 
-    m = engine.model
+    m, graphs = engine.model, engine.runner.prefill_graphs
     if m.device.type != "cuda":
         return {}
-    n = 512
-    chunks = [(s, 0, list(range(1000 + s, 1000 + s + n))) for s in range(4)]
-    for _ in range(2):
-        m.prefill(chunks, [True] * 4)
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        m.prefill(chunks, [True] * 4)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1000)
     params = json.loads(Path(args.out).read_text())["model"]["matmul_params"]
-    attn = 4 * 2 * 2 * len(m.layers) * m.n_heads * m.head_dim * n * n / 2
-    flops = 2 * params * 4 * n + attn
-    return {"tokens": 4 * n, "seconds": statistics.median(times),
-            "flops_per_s": flops / statistics.median(times)}
+    out = {}
+    for n, count in ((512, 4), (320, 1)):
+        chunks = [(s, 0, list(range(1000 + s, 1000 + s + n))) for s in range(count)]
+        ways = {"eager": lambda chunks=chunks: m.prefill(chunks, [True] * len(chunks))}
+        if graphs is not None and (fit := graphs.layout(chunks, [True] * len(chunks))):
+            t, layout = fit[0], torch.from_numpy(fit[1]).cuda()
+            ways["graph"] = lambda t=t, layout=layout, count=count: graphs.run(t, layout, count)
+        attn = count * 2 * 2 * len(m.layers) * m.n_heads * m.head_dim * n * n / 2
+        flops = 2 * params * count * n + attn
+        for way, run in ways.items():
+            for _ in range(2):
+                run()
+            device, issue = [], []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                s.record()
+                run()
+                e.record()
+                issue.append(1000 * (time.perf_counter() - t0))
+                e.synchronize()
+                device.append(s.elapsed_time(e) / 1000)
+            out[f"{count * n} {way}"] = {
+                "tokens": count * n, "seconds": statistics.median(device),
+                "issue_ms": statistics.median(issue), "flops_per_s": flops / statistics.median(device)}
+    best = out.get("2048 graph") or out["2048 eager"]
+    return {**best, "ways": out}
 
 
 # -- through gRPC ------------------------------------------------------------------------
@@ -1108,6 +1122,9 @@ def table(r: dict) -> str:
         peak = dev.get("bf16_matmul_flops")
         lines.append(f"bare prefill step ({bp['tokens']} tokens): {bp['flops_per_s'] / 1e12:.0f} TFLOP/s"
                      + (f" = {bp['flops_per_s'] / peak:.0%} of the measured matmul rate" if peak else ""))
+        for name, w in bp.get("ways", {}).items():
+            lines.append(f"  prefill {name:>11}: device {1000 * w['seconds']:6.2f} ms, host issues it in "
+                         f"{w['issue_ms']:6.2f} ms")
     ip, sv = r.get("inprocess", {}), r.get("serve", {})
     if "ready_s" in ip:
         lines.append(f"start-up in-process: load {ip['load_s']:.0f} s, ready (compiled, graphs "

@@ -36,6 +36,7 @@ chunk over the chunk's slot (causal, aligned to the chunk's last key).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,7 +157,7 @@ def varlen_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, keys: VarlenKeys
 
 
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                      chunks: list[tuple[int, int, int]]) -> Tensor:
+                      chunks: Sequence[tuple[int, int, int]]) -> Tensor:
     """q (tokens, heads, head_dim) of several chunks back to back; chunks: (slot, start, n).
     Each chunk's tokens attend to the slot's first `start` positions and causally to each other."""
     out = torch.empty_like(q)

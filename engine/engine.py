@@ -456,7 +456,8 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
             compact.split_len = split_len if kernels else 0
             compact.varlen_prefill = varlen and kernels
             compact.gemv = one_row
-            runner = ModelRunner(compact, device, graphs)
+            runner = ModelRunner(compact, device, graphs,
+                                 limits.prefill_chunk if compact.varlen_prefill else 0)
             if cuda:
                 runner.warm_up()
         except Exception as e:  # a compiler or capture failure must not stop the service
@@ -466,7 +467,8 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
         mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else []),
                          *(["triton-attention"] if kernels else []),
                          *(["gemv-one-row"] if one_row else []),
-                         *(["varlen-prefill"] if compact.varlen_prefill else [])])
+                         *(["varlen-prefill"] if compact.varlen_prefill else []),
+                         *(["prefill-graphs"] if runner.prefill_graphs else [])])
         return compact, runner, mode
     raise RuntimeError("no runner could be built")
 

@@ -21,7 +21,7 @@ kernel, whatever the batch holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import structlog
@@ -184,6 +184,14 @@ class CompactLM:
     def _prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
         spans = [(slot, start, len(toks)) for slot, start, toks in chunks]
         ids, positions, slots, last, keys = self._prefill_inputs(chunks, sample, spans)
+        return self.forward_prefill(ids, positions, slots, last, keys, spans)
+
+    @torch.inference_mode()
+    def forward_prefill(self, ids: Tensor, positions: Tensor, slots: Tensor, last: Tensor,
+                        keys: VarlenKeys | None, spans: Sequence[tuple[int, int, int]] = ()
+                        ) -> Tensor:
+        """ids[i] at KV position positions[i] of slots[i]; logits after the tokens `last`.
+        Attention: one varlen call over `keys`, else SDPA per span (slot, start, n)."""
         x = self.embed[ids]
         delta = torch.zeros_like(x)
         for i, layer in enumerate(self.layers):

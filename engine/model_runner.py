@@ -21,6 +21,7 @@ import structlog
 import torch
 from torch import Tensor
 
+from .attention import VarlenKeys
 from .sampler import BanIndex, DeviceParams, SamplingRows, sample
 
 log = structlog.get_logger(__name__)
@@ -101,6 +102,101 @@ class DecodeGraphs:
         return out[:rows]
 
 
+class PrefillGraphs:
+    """The prefill forward captured once per token bucket (CUDA, varlen attention): issuing
+    a prefill forward eagerly costs the host ~20 ms whatever its size up to ~1,000 tokens
+    (the compiled layers' wrappers and guards, bench_gpu.py --phases profile), more than
+    the device takes for a few hundred tokens, and a stream's first token waited for it.
+
+    Every shape is fixed per bucket of T tokens: K gathered keys and C chunks. A step's
+    chunks come first; a dummy chunk in the scratch slot takes the padding tokens (at
+    position 0) and keys (K - T or more, so each of its queries has a key), and empty
+    chunks fill the rest. A step that does not fit the largest bucket (more chunks, or
+    more cached keys before its chunks than K - T) runs eagerly."""
+
+    def __init__(self, model, max_tokens: int) -> None:
+        self.model = model
+        self.scratch = model.cache.scratch
+        self.buckets = sorted({*(b for b in (64, 128, 256, 384, 512, 768, 1024, 1536) if b < max_tokens),
+                               max_tokens})
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+
+    def shape(self, tokens: int) -> tuple[int, int, int]:
+        """(T, K, C) of the smallest bucket that holds `tokens` tokens."""
+        t = next(b for b in self.buckets if b >= tokens)
+        return t, 2 * t, min(self.model.n_slots, max(t // 16, 16)) + 1
+
+    def layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool]
+               ) -> tuple[int, np.ndarray] | None:
+        """The bucket and its inputs as one int64 array, or None when the step fits none."""
+        n_tokens, cached = sum(len(toks) for _, _, toks in chunks), sum(s for _, s, _ in chunks)
+        if n_tokens > self.buckets[-1]:
+            return None
+        t, k, c = self.shape(n_tokens)
+        if len(chunks) >= c or cached > k - t:
+            return None
+        return t, self._layout(chunks, sample, t)
+
+    def _layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool], t: int) -> np.ndarray:
+        """ids, positions and slots per token; the sampled rows; key slots and positions;
+        cumulative query and key counts. The dummy chunk follows the step's."""
+        t, k, c = self.shape(t)
+        sizes = [len(toks) for _, _, toks in chunks]
+        starts = [start for _, start, _ in chunks]
+        ends = [start + n for start, n in zip(starts, sizes, strict=True)]
+        slot_of = np.asarray([slot for slot, _, _ in chunks], dtype=np.int64)
+        pad_q, pad_k = t - sum(sizes), k - sum(ends)
+        last = np.zeros(c, dtype=np.int64)
+        picked = (np.cumsum(sizes, dtype=np.int64) - 1)[np.asarray(sample, dtype=bool)]
+        last[: picked.size] = picked
+        cu_q, cu_k = np.full(c + 1, t, dtype=np.int64), np.full(c + 1, k, dtype=np.int64)
+        cu_q[: len(chunks) + 1] = np.cumsum([0, *sizes])
+        cu_k[: len(chunks) + 1] = np.cumsum([0, *ends])
+        scratch = self.scratch
+        return np.concatenate([
+            np.fromiter((x for _, _, toks in chunks for x in toks), dtype=np.int64, count=t - pad_q),
+            np.zeros(pad_q, dtype=np.int64),
+            *(np.arange(start, end, dtype=np.int64) for start, end in zip(starts, ends, strict=True)),
+            np.zeros(pad_q, dtype=np.int64),
+            np.repeat(slot_of, sizes), np.full(pad_q, scratch, dtype=np.int64),
+            last,
+            np.repeat(slot_of, ends), np.full(pad_k, scratch, dtype=np.int64),
+            *(np.arange(end, dtype=np.int64) for end in ends), np.zeros(pad_k, dtype=np.int64),
+            cu_q, cu_k,
+        ])
+
+    def capture(self) -> None:
+        pool = None  # its own: the decode graph's logits are still to be sampled after a replay
+        side = torch.cuda.Stream()
+        for t in reversed(self.buckets):  # largest first: the smaller reuse its memory
+            inputs = torch.from_numpy(self._layout([], [], t)).to(self.model.device)  # padding alone
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles, autotunes
+                for _ in range(2):
+                    self._forward(inputs, t)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(inputs, t)
+            pool = graph.pool()
+            self._graphs[t] = (graph, inputs, out)
+        torch.cuda.synchronize()
+
+    def run(self, t: int, inputs: Tensor, sampled: int) -> Tensor:
+        """inputs: bucket t's layout on the device; the logits of the `sampled` chunks."""
+        graph, static, out = self._graphs[t]
+        static.copy_(inputs)
+        graph.replay()
+        return out[:sampled]
+
+    def _forward(self, inputs: Tensor, t: int) -> Tensor:
+        t, k, c = self.shape(t)
+        ids, positions, slots, last, key_slots, key_positions, cu_q, cu_k = inputs.split(
+            [t, t, t, c, k, k, c + 1, c + 1])
+        keys = VarlenKeys(key_slots, key_positions, cu_q.int(), cu_k.int(), t, k)
+        return self.model.forward_prefill(ids, positions, slots, last, keys)
+
+
 class _Staging:
     """A step's host-to-device inputs, through pinned buffers used in turn (three: a buffer is
     written again only after the device has finished the step that read it). A copy from
@@ -139,7 +235,10 @@ class _Staging:
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, graphs: bool = False) -> None:
+    def __init__(self, model, device: torch.device, graphs: bool = False,
+                 prefill_tokens: int = 0) -> None:
+        """graphs: capture the decode step; prefill_tokens > 0: the prefill forward too, in
+        buckets up to that many tokens a step (the scheduler's prefill chunk)."""
         self.model = model
         self.device = device
         self.n_slots = model.n_slots
@@ -151,13 +250,22 @@ class ModelRunner:
                         for _ in range(2)] if self._cuda else []
         self._flip = 0
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.startup_s = 0.0
         if graphs:
             start = time.perf_counter()
             self.graphs = DecodeGraphs(model, self.n_slots)
             self.graphs.capture()
+            if prefill_tokens:
+                try:
+                    prefill_graphs = PrefillGraphs(model, prefill_tokens)
+                    prefill_graphs.capture()
+                    self.prefill_graphs = prefill_graphs
+                except Exception as e:  # the decode graphs stand; prefill runs eagerly
+                    log.warning("prefill not captured in cuda graphs", error=repr(e)[:800])
             self.startup_s = time.perf_counter() - start
             log.info("cuda graphs captured", buckets=self.graphs.buckets,
+                     prefill_buckets=self.prefill_graphs.buckets if self.prefill_graphs else [],
                      seconds=round(self.startup_s, 1))
 
     def launch(self, rows: list[StepRow]) -> Launch:
@@ -170,6 +278,10 @@ class ModelRunner:
         params = SamplingRows([r.temperature for r in sampled], [r.top_k for r in sampled],
                               [r.top_p for r in sampled], [r.key for r in sampled],
                               [r.bans for r in sampled])
+        chunks = [(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill]
+        chunk_sampled = [rows[i].sample for i in prefill]
+        graphed = self.prefill_graphs.layout(chunks, chunk_sampled) \
+            if prefill and self.prefill_graphs is not None else None
         # Every integer the step needs goes to the device in one copy.
         parts = [self._decode_inputs([rows[i] for i in decode])] if decode else []
         flat_bans = self._bans.flat(params.bans) if order else None
@@ -177,6 +289,8 @@ class ModelRunner:
             parts.append(flat_bans.reshape(-1))
         if params.sampled:
             parts.append(np.asarray([params.top_k, params.keys], dtype=np.int64).reshape(-1))
+        if graphed is not None:
+            parts.append(graphed[1])
         staged = self._staging.put(parts, torch.long) if parts else []
         logits = []
         if decode:
@@ -189,11 +303,11 @@ class ModelRunner:
                                                    dtype=np.float32).reshape(-1)], torch.float32)[0]
             floats = floats.view(2, -1)
             device_params = DeviceParams(floats[0], floats[1], ints[0], ints[1], params.filtered)
-        if prefill:
-            out = self.model.prefill([(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill],
-                                     [rows[i].sample for i in prefill])
-            if out.shape[0]:
-                logits.append(out)
+        if graphed is not None:
+            logits.append(self.prefill_graphs.run(graphed[0], staged.pop(0), sum(chunk_sampled)))
+        elif prefill:
+            logits.append(self.model.prefill(chunks, chunk_sampled))
+        logits = [x for x in logits if x.shape[0]]
         if not order:
             return Launch(order)
         out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), device_params, bans)

@@ -176,6 +176,31 @@ def test_graph_replay_equals_the_eager_step(graphed, rows):
     assert torch.equal(eager, replayed)
 
 
+def test_prefill_graph_replay_matches_the_eager_prefill(graphed):
+    """A step's chunks (fresh, continued, unsampled) replayed in a prefill graph's bucket give
+    the eager prefill's logits and cache, and write no other slot but the scratch."""
+    model, graphs = graphed.model, graphed.runner.prefill_graphs
+    assert graphs is not None and "prefill-graphs" in graphed.mode, graphed.mode
+    model.prefill([(3, 0, list(range(300, 340)))], [False])
+    chunks = [(0, 0, list(range(100, 150))), (1, 0, list(range(200, 207))),
+              (3, 40, list(range(400, 420))), (2, 0, [5, 6, 7])]
+    sample = [True, False, True, True]
+    caches = (*model.cache.k, *model.cache.v)
+    before = [c.clone() for c in caches]
+    eager = model.prefill(chunks, sample).clone()
+    eager_cache = [c.clone() for c in caches]
+    for c, b in zip(caches, before, strict=True):
+        c.copy_(b)
+    t, layout = graphs.layout(chunks, sample)
+    replayed = graphs.run(t, torch.from_numpy(layout).cuda(), sum(sample)).clone()
+    assert _relative_error(replayed, eager) < 2e-2
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    scratch = model.cache.scratch
+    for c, e, b in zip(caches, eager_cache, before, strict=True):
+        assert _relative_error(c[:4], e[:4]) < 2e-2
+        assert torch.equal(c[4:scratch], b[4:scratch])  # untouched slots
+
+
 def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):
     """A GEMV the device refuses costs the one-row path, not the graphs or the attention kernel."""
     from finsieve.engine import gemv
@@ -185,7 +210,7 @@ def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monk
 
     monkeypatch.setattr(gemv, "norm_qkv_rope", refused)
     engine = _engine(random_llama, torch.bfloat16, max_batch=4, compile=False)
-    assert engine.mode == "eager+cuda-graphs+triton-attention+varlen-prefill", engine.mode
+    assert engine.mode == "eager+cuda-graphs+triton-attention+varlen-prefill+prefill-graphs", engine.mode
     assert engine.generate(chat_request("t", "What is a bond?", max_tokens=4))[-1].HasField("finished")
 
 

@@ -87,6 +87,53 @@ def test_varlen_keys_are_each_chunks_slot_prefix():
         assert torch.equal(gathered[cu_k[i] : cu_k[i + 1]], cache[slot, :, : start + n].transpose(0, 1))
 
 
+def _varlen_reference(q, k_cache, v_cache, keys: VarlenKeys) -> torch.Tensor:
+    """FlashAttention's varlen contract on the CPU: chunk i's queries q[cu_q[i]:cu_q[i+1]]
+    attend its gathered keys causally, aligned to the last key."""
+    k, v = k_cache[keys.slots, :, keys.positions], v_cache[keys.slots, :, keys.positions]
+    out = torch.zeros_like(q)
+    cu_q, cu_k = keys.cu_q.tolist(), keys.cu_k.tolist()
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False):
+        if q1 > q0:
+            sees = torch.arange(k1 - k0)[None, :] <= torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            out[q0:q1] = torch.nn.functional.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1),
+                attn_mask=sees, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(engine, monkeypatch):
+    """The fixed-shape inputs the CUDA graphs prefill from (a bucket's tokens, keys and
+    chunks, padding in a dummy chunk of the scratch slot) give the logits and the cache of
+    the eager prefill, and write nothing outside the chunks' slots but the scratch slot."""
+    from finsieve.engine import model as model_module
+    from finsieve.engine.model_runner import PrefillGraphs
+
+    model = engine.model
+    monkeypatch.setattr(model_module, "varlen_prefill", _varlen_reference)
+    model.prefill([(3, 0, list(range(300, 340)))], [False])  # a prefix that one chunk continues
+    chunks = [(0, 0, list(range(100, 150))), (1, 0, list(range(200, 207))),
+              (3, 40, list(range(400, 420))), (2, 0, [5, 6, 7])]
+    sample = [True, False, True, True]
+    before = [c.clone() for c in (*model.cache.k, *model.cache.v)]
+    eager = model.prefill(chunks, sample)
+    eager_cache = [c.clone() for c in (*model.cache.k, *model.cache.v)]
+    for c, b in zip((*model.cache.k, *model.cache.v), before, strict=True):
+        c.copy_(b)
+    graphs = PrefillGraphs(model, 256)
+    t, layout = graphs.layout(chunks, sample)
+    assert t == 128  # 80 tokens: the smallest bucket that holds them
+    padded = graphs._forward(torch.from_numpy(layout), t)[: sum(sample)]
+    torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
+    scratch = model.cache.scratch
+    for c, e, b in zip((*model.cache.k, *model.cache.v), eager_cache, before, strict=True):
+        torch.testing.assert_close(c[:scratch], e[:scratch], atol=1e-4, rtol=1e-4)
+        assert torch.equal(c[4:scratch], b[4:scratch])  # untouched slots
+    # A step the buckets cannot hold runs eagerly
+    assert graphs.layout([(0, 0, [1] * 257)], [True]) is None
+    assert graphs.layout([(s, 0, [1, 2]) for s in range(8)] * 2, [True] * 16) is None
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory, engine):
     """A real model directory of an architecture the compact forward does not cover."""
