@@ -51,6 +51,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,7 +234,9 @@ def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -
 
 def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_tokens: int,
                      burst: bool = False, spread: bool = False) -> dict:
-    """`streams` closed-loop streams, `rounds` requests each, driven on this thread.
+    """`streams` closed-loop streams, `rounds` requests each, the engine's steps driven on
+    this thread. Requests are prepared (tokenized, input rules) on worker threads, as the
+    server's executor prepares them beside the engine's loop.
 
     All streams start at once by default: every request of a round then ends in the same few
     steps, and the next round's prompts are prefilled while nothing decodes (the worst case
@@ -250,13 +253,19 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     repairs_before = LATE_REPAIRS._value.get()
     next_text = 0
 
+    def prepare(req, sink: TimingSink) -> None:
+        try:
+            engine.submit(engine.prepare(req, sink))
+        except Exception as e:  # a refused request is counted, as the server would answer it
+            sink.error, sink.done = repr(e), True
+
     def submit(stream: int) -> None:
         nonlocal next_text
         sink = TimingSink()
         req = chat_request(f"s{stream}-{next_text}", texts[next_text % len(texts)], max_tokens=max_tokens)
         next_text += 1
         t0 = time.perf_counter()  # preparation (tokenizing, input rules) is in the TTFT
-        engine.submit(engine.prepare(req, sink))
+        workers.submit(prepare, req, sink)
         live[stream] = (sink, t0)
         sinks.append(sink)
 
@@ -269,6 +278,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     all_running = idle_from = None  # the steady window: every stream started, none idle yet
     steps: list[tuple[float, float]] = []
     step = 0
+    workers = ThreadPoolExecutor(4, thread_name_prefix="prepare")
     while live or step <= last_start:
         for s in starts.get(step, ()):
             submit(s)
@@ -276,8 +286,10 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
         if step == last_start:
             all_running = time.perf_counter()
         t = time.perf_counter()
-        engine.step()
-        steps.append((t, time.perf_counter() - t))
+        if engine.step():
+            steps.append((t, time.perf_counter() - t))
+        else:  # nothing to do until a request is prepared: let the workers run
+            time.sleep(0.0002)
         step += 1
         for s, (sink, t0) in list(live.items()):
             if sink.done:
@@ -294,6 +306,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
                 elif idle_from is None:
                     idle_from = time.perf_counter()
     wall = time.perf_counter() - start
+    workers.shutdown()
     if not spread:
         row = summarize(done, wall, [d for _, d in steps[2:]])
     else:
@@ -318,8 +331,9 @@ def phase_inprocess(args) -> dict:
     from finsieve.engine.loader import load_model
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
-    from finsieve.serve import settle_heap
+    from finsieve.serve import ENGINE_SWITCH_INTERVAL_S, settle_heap
 
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)  # as `finsieve serve` runs the engine
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     model = load_model(args.model_dir, Path(args.work), device)
