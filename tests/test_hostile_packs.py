@@ -335,6 +335,61 @@ def test_a_backtracking_input_scan_beside_busy_threads_fails_closed_in_bounded_t
     assert took < 1.5 * MAX_WAIT_S, took  # retries stop at the scan's deadline
 
 
+def test_a_whole_text_scan_beside_busy_threads_keeps_its_pace():
+    """`regex` takes the GIL back at every check of its timeout; a scan whose searches
+    released it waited for every busy thread's switch at each one (a prompt's input scan:
+    ~1.5 ms alone, ~200 ms beside three busy threads). Its searches hold it now."""
+    pack = Pack.load(Path(__file__).parent.parent / "rules")
+    text = " ".join(f"Client {i} asks how the savings plan's fees compare with an index fund "
+                    "over ten years, and whether to rebalance quarterly." for i in range(12))
+
+    def scan_ms() -> float:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            scan_text(pack.input, text)
+            times.append(time.perf_counter() - started)
+        return 1000 * sorted(times)[2]
+
+    alone = scan_ms()
+    with busy_threads(3):
+        beside = scan_ms()
+    assert beside < 10 * alone + 5, (alone, beside)  # held: ~3x; released: ~300x
+
+
+def test_a_hostile_whole_text_scan_holds_the_gil_briefly(tmp_path):
+    """A scan that backtracks holds the GIL for a few milliseconds at most (HELD_S), then
+    releases it while it runs out its timeout: the decode loop beside it keeps going."""
+    (tmp_path / "a.yaml").write_text(rule("slow", "'(a|aa)+b'", kind="regex", action="halt",
+                                          extra="    scope: both\n    max_span: 100\n"))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.05))
+    scan_text(pack.input, "x a b")  # what is built on first use (normalizer tables) is built
+    stop, beats = threading.Event(), []
+
+    def beat() -> None:
+        while not stop.is_set():
+            beats.append(time.perf_counter())
+            sum(range(200))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        started = time.perf_counter()
+        found = scan_text(pack.input, "x " * 20 + "a" * 60 + "c")
+        ended = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert [m.rule.id for m in found] == ["slow"]
+    during = [b for b in beats if started <= b <= ended] + [ended]
+    longest = max(b - a for a, b in zip([started, *during], during, strict=False))
+    assert longest < 0.02, longest  # a search holding the GIL for its whole timeout: 0.05 s
+
+
 # -- through a running server -----------------------------------------------------------------------
 
 

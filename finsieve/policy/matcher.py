@@ -33,6 +33,8 @@ REGEX_TIMEOUTS = Counter("finsieve_regex_timeouts", "Regex searches past the rul
                          "(each counted as a match: fail closed)", ["rule_id"])
 # How long a whole-text scan may retry searches that timed out on other threads' work.
 MAX_WAIT_S = 1.0
+# How long a whole-text scan's searches may hold the GIL in all (see _regexes).
+HELD_S = 0.002
 
 T = TypeVar("T")
 
@@ -87,6 +89,7 @@ class StreamMatcher:
         may be retried until then (within_cpu_budget); None: the plain timeout."""
         self.rules = rules
         self._deadline = deadline
+        self._held_left = HELD_S
         self.norm = Normalizer()
         self.raw = bytearray()
         self.matches: list[Match] = []
@@ -232,21 +235,39 @@ class StreamMatcher:
         if min(active.values()) < base + 8:  # a whole text fed at once
             base = max(0, min(active.values()) - 8)
             window = "".join(self.norm.text[base:])
-        # `regex` releases the GIL for every search of a str. A streaming search (the short
-        # window, a few microseconds) keeps it: the engine loop would otherwise wait for the
-        # GIL after each one while a gRPC or executor thread runs (measured beside a busy
-        # thread: 1,500 searches/s instead of 90,000). A whole text (input rules, audit
-        # masking) lets other threads run while it is searched.
+        # `regex` releases the GIL for every search of a str, and takes it back at every
+        # check of its timeout and every allocation, each time waiting for the holder's
+        # switch interval. A streaming search (the short window, a few microseconds) keeps
+        # it: the engine loop would otherwise wait for the GIL after each one while a gRPC
+        # or executor thread runs (measured beside a busy thread: 1,500 searches/s instead
+        # of 90,000). A whole text: see _regex.
         concurrent = None if len(window) > self._window_len else False
         for i, pos in active.items():
             self._search(i, pos, window, base, final, found, concurrent)
 
-    def _regex(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """A regex search with the rules' timeout (TimeoutError: fail closed)."""
+    def _regex(self, call: Callable[..., T], *args: Any, concurrent: bool | None, **kwargs: Any) -> T:
+        """A regex search with the rules' timeout (TimeoutError: fail closed).
+
+        A whole-text scan (input rules, audit masking; off the decode loop) searches holding
+        the GIL while it has some of HELD_S left, then releasing it. Released throughout, the
+        searches of a prompt's input scan (~1.5 ms alone) took ~20 ms beside one busy thread
+        and ~200 ms beside three, and every time they took the GIL back the engine loop lost
+        it (through gRPC at 128 streams: a third of the engine process's samples, and rules
+        on cost 17% of the tokens). Held throughout, a hostile input would stop the loop for
+        a whole timeout. A search that needs longer than what is left runs again releasing
+        the GIL, within the rules' timeout."""
         timeout = self.rules.regex_timeout_s
         if self._deadline is None:  # streaming, on the decode loop: never retried
-            return call(*args, timeout=timeout, **kwargs)
-        return within_cpu_budget(call, timeout, self._deadline, *args, **kwargs)
+            return call(*args, timeout=timeout, concurrent=concurrent, **kwargs)
+        if self._held_left > 0:
+            cpu = time.thread_time()
+            try:
+                return call(*args, timeout=min(timeout, self._held_left), concurrent=False, **kwargs)
+            except TimeoutError:
+                pass
+            finally:
+                self._held_left -= time.thread_time() - cpu
+        return within_cpu_budget(call, timeout, self._deadline, *args, concurrent=True, **kwargs)
 
     def _search(self, i: int, pos: int, window: str, base: int, final: bool,
                 found: list[Match], concurrent: bool | None) -> None:
