@@ -15,10 +15,11 @@ positions; the model runner feeds them. Every running sequence is in one of thre
     it, this row's result is dropped and the position decoded again).
 
 While streams decode, a fresh prompt may wait a few steps for others to share its prefill
-forward (`prompt_batch`, `prompt_wait_steps`; TGI's max_waiting_tokens does the same): on an
-H200 the host takes ~20 ms to issue a prefill forward of anything up to ~1,000 tokens
-(bench_gpu.py --phases profile), so prompts arriving one a step, as a server's do, cost the
-running streams a third of their throughput.
+forward (`prompt_batch`, `prompt_wait_steps`; TGI's max_waiting_tokens does the same): a
+larger prefill uses the device better (an H200 spends ~34 us a token on one 320-token
+prompt, ~25 us in a step of 2,048 tokens), and every prefill step holds the running streams
+back for its length. (Before the prefill ran in CUDA graphs, issuing one cost the host ~20 ms
+whatever its size, and prompts prefilled one a step cost a third of the throughput.)
 
 A rollback (SAR), resample or rewrite is not special work: the sequence's tokens change and
 `Sequence.redo` sets its KV length back; the next `schedule` feeds what the cache lacks.
