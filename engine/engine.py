@@ -439,7 +439,8 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
     # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
     row_tile = 8 if not cuda and limits.batch_invariant else 0
     compact = CompactLM(hf, limits.max_batch, max_context, row_tile,
-                        own_weights=cuda, memory_fraction=limits.gpu_memory_utilization if cuda else None)
+                        own_weights=cuda, memory_fraction=limits.gpu_memory_utilization if cuda else None,
+                        prefill_tokens=limits.prefill_chunk)
     if cuda:
         log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
                  gib=round(compact.cache.nbytes / 2**30, 2),

@@ -108,34 +108,36 @@ class PrefillGraphs:
     (the compiled layers' wrappers and guards, bench_gpu.py --phases profile), more than
     the device takes for a few hundred tokens, and a stream's first token waited for it.
 
-    Every shape is fixed per bucket of T tokens: K gathered keys and C chunks. A step's
-    chunks come first; a dummy chunk in the scratch slot takes the padding tokens (at
-    position 0) and keys (K - T or more, so each of its queries has a key), and empty
-    chunks fill the rest. A step that does not fit the largest bucket (more chunks, or
-    more cached keys before its chunks than K - T) runs eagerly."""
+    Every shape is fixed per bucket of T tokens: K = T + a slot's positions gathered keys
+    (so one chunk can continue anywhere in its slot) and C chunks. A step's chunks come
+    first; a dummy chunk in the scratch slot takes the padding tokens (at position 0) and
+    keys (as many as its queries or more, so each has a key), and empty chunks fill the
+    rest. A step with more cached keys before its chunks than a slot holds, or more chunks
+    than the largest bucket takes, runs eagerly."""
 
     def __init__(self, model, max_tokens: int) -> None:
         self.model = model
         self.scratch = model.cache.scratch
+        self.cached_keys = model.cache.max_len  # K - T
         self.buckets = sorted({*(b for b in (64, 128, 256, 384, 512, 768, 1024, 1536) if b < max_tokens),
                                max_tokens})
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
 
-    def shape(self, tokens: int) -> tuple[int, int, int]:
-        """(T, K, C) of the smallest bucket that holds `tokens` tokens."""
-        t = next(b for b in self.buckets if b >= tokens)
-        return t, 2 * t, min(self.model.n_slots, max(t // 16, 16)) + 1
+    def shape(self, t: int) -> tuple[int, int, int]:
+        """(T, K, C) of bucket t."""
+        return t, t + self.cached_keys, min(self.model.n_slots, max(t // 16, 16)) + 1
 
     def layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool]
                ) -> tuple[int, np.ndarray] | None:
-        """The bucket and its inputs as one int64 array, or None when the step fits none."""
+        """The smallest bucket that takes the step, and its inputs as one int64 array; None
+        when none does."""
         n_tokens, cached = sum(len(toks) for _, _, toks in chunks), sum(s for _, s, _ in chunks)
-        if n_tokens > self.buckets[-1]:
+        if cached > self.cached_keys:
             return None
-        t, k, c = self.shape(n_tokens)
-        if len(chunks) >= c or cached > k - t:
-            return None
-        return t, self._layout(chunks, sample, t)
+        for t in self.buckets:
+            if t >= n_tokens and len(chunks) < self.shape(t)[2]:  # the dummy chunk's place too
+                return t, self._layout(chunks, sample, t)
+        return None
 
     def _layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool], t: int) -> np.ndarray:
         """ids, positions and slots per token; the sampled rows; key slots and positions;

@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from finsieve.client import chat_request
-from finsieve.policy.matcher import MAX_WAIT_S, REGEX_TIMEOUTS, StreamMatcher, scan_text
+from finsieve.policy.matcher import (
+    HELD_CHARS,
+    MAX_WAIT_S,
+    REGEX_TIMEOUTS,
+    StreamMatcher,
+    scan_text,
+    within_cpu_budget,
+)
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
 from finsieve.policy.schema import PackError
@@ -358,11 +365,11 @@ def test_a_whole_text_scan_beside_busy_threads_keeps_its_pace():
 
 
 def test_a_hostile_whole_text_scan_holds_the_gil_briefly(tmp_path):
-    """A scan that backtracks holds the GIL for a few milliseconds at most (HELD_S), then
-    releases it while it runs out its timeout: the decode loop beside it keeps going."""
+    """A scan that backtracks holds the GIL for a few milliseconds at most, then releases it
+    while it runs out its timeout: the decode loop beside it keeps going."""
     (tmp_path / "a.yaml").write_text(rule("slow", "'(a|aa)+b'", kind="regex", action="halt",
                                           extra="    scope: both\n    max_span: 100\n"))
-    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.05))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.1))
     scan_text(pack.input, "x a b")  # what is built on first use (normalizer tables) is built
     stop, beats = threading.Event(), []
 
@@ -387,7 +394,30 @@ def test_a_hostile_whole_text_scan_holds_the_gil_briefly(tmp_path):
     assert [m.rule.id for m in found] == ["slow"]
     during = [b for b in beats if started <= b <= ended] + [ended]
     longest = max(b - a for a, b in zip([started, *during], during, strict=False))
-    assert longest < 0.02, longest  # a search holding the GIL for its whole timeout: 0.05 s
+    assert longest < 0.03, longest  # held for the whole timeout: 0.1 s
+
+
+def test_a_long_text_is_searched_releasing_the_gil_and_a_held_search_counts_toward_the_timeout():
+    """`regex` checks its timeout every 256 steps and a step can cross the whole text: a
+    2 ms search of 250,000 characters ran 140 ms. So a text longer than HELD_CHARS is never
+    searched holding the GIL; and the held attempt's CPU counts toward the timeout."""
+    calls = []
+
+    def search(text, timeout, concurrent):
+        calls.append((len(text), concurrent))
+        cpu = time.thread_time()
+        while time.thread_time() - cpu < timeout:
+            pass
+        raise TimeoutError
+
+    deadline = time.perf_counter() + 5
+    with pytest.raises(TimeoutError):
+        within_cpu_budget(search, 0.01, deadline, "a" * (HELD_CHARS + 1))
+    assert calls == [(HELD_CHARS + 1, True)]
+    calls.clear()
+    with pytest.raises(TimeoutError):
+        within_cpu_budget(search, 0.01, deadline, "a" * HELD_CHARS)
+    assert calls == [(HELD_CHARS, False), (HELD_CHARS, True)]
 
 
 # -- through a running server -----------------------------------------------------------------------

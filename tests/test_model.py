@@ -129,9 +129,23 @@ def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(engine,
     for c, e, b in zip((*model.cache.k, *model.cache.v), eager_cache, before, strict=True):
         torch.testing.assert_close(c[:scratch], e[:scratch], atol=1e-4, rtol=1e-4)
         assert torch.equal(c[4:scratch], b[4:scratch])  # untouched slots
-    # A step the buckets cannot hold runs eagerly
+
+
+def test_a_step_takes_the_smallest_prefill_bucket_that_holds_it(engine):
+    """Tokens exactly a bucket, a chunk continuing at the end of its slot, a chunk for every
+    slot; eager when no bucket can: more tokens than the largest, more cached keys than a
+    slot holds, more chunks than the largest takes."""
+    from finsieve.engine.model_runner import PrefillGraphs
+
+    graphs = PrefillGraphs(engine.model, 256)  # buckets 64, 128, 256; 8 slots: 9 chunks at most
+    end = engine.model.cache.max_len
+    assert graphs.buckets == [64, 128, 256]
+    assert graphs.layout([(0, 0, [1] * 64)], [True])[0] == 64
+    assert graphs.layout([(0, end - 65, [1] * 64)], [True])[0] == 64
+    assert graphs.layout([(s, 0, [1]) for s in range(8)], [True] * 8)[0] == 64
     assert graphs.layout([(0, 0, [1] * 257)], [True]) is None
-    assert graphs.layout([(s, 0, [1, 2]) for s in range(8)] * 2, [True] * 16) is None
+    assert graphs.layout([(0, end - 10, [1] * 5), (1, 20, [1] * 5)], [True] * 2) is None
+    assert graphs.layout([(s % 8, 0, [1, 2]) for s in range(9)], [True] * 9) is None
 
 
 @pytest.fixture(scope="module")

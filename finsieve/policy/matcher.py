@@ -33,32 +33,48 @@ REGEX_TIMEOUTS = Counter("finsieve_regex_timeouts", "Regex searches past the rul
                          "(each counted as a match: fail closed)", ["rule_id"])
 # How long a whole-text scan may retry searches that timed out on other threads' work.
 MAX_WAIT_S = 1.0
-# How long a whole-text scan's searches may hold the GIL in all (see _regexes).
+# A whole-text scan's search of a text up to HELD_CHARS long first runs holding the GIL, for
+# HELD_S of CPU at most (see within_cpu_budget).
+HELD_CHARS = 4096
 HELD_S = 0.002
 
 T = TypeVar("T")
 
 
-def within_cpu_budget(search: Callable[..., T], timeout: float, deadline: float,
+def within_cpu_budget(search: Callable[..., T], timeout: float, deadline: float, text: str,
                       *args: Any, **kwargs: Any) -> T:
-    """search(*args, timeout=..., **kwargs), failing closed (TimeoutError) once the search
-    has used `timeout` of its own thread's CPU time, or at `deadline` (perf_counter).
+    """search(text, *args, timeout=..., concurrent=..., **kwargs), failing closed
+    (TimeoutError) once the search has used `timeout` of its own thread's CPU time, summed
+    over attempts, or at `deadline` (perf_counter).
+
     `regex` counts its timeout on the process's CPU clock, every thread's work included:
     beside the engine's busy decode loop, a whole prompt's input scan (~2 ms of its own
     work) went past 20 ms, and benign prompts were refused (56 of 868 requests through gRPC
     on an H200 at 64 and 128 streams). A search that timed out having used less than its
-    timeout is tried again with a larger budget."""
-    budget, used = timeout, 0.0
+    timeout is tried again with a larger budget.
+
+    `regex` releases the GIL while it searches a str and takes it back at every check of
+    its timeout, each time waiting for the holder's switch interval: released, a prompt's
+    input scan (~1.5 ms alone) took ~20 ms beside one busy thread and ~200 ms beside three,
+    and the engine loop lost the GIL at each of those checks (through gRPC at 128 streams the
+    input scans' searches were a third of the engine process's samples). So the first
+    attempt on a text up to HELD_CHARS long holds the GIL, for HELD_S at most: `regex`
+    checks its timeout every 256 steps and a step can cross the whole text, so the text's
+    length bounds how far past HELD_S it runs. A longer text, or a search that needs
+    longer, releases it."""
+    held = len(text) <= HELD_CHARS
+    budget, used = (min(timeout, HELD_S) if held else timeout), 0.0
     while True:
         cpu = time.thread_time()
         try:
-            return search(*args, timeout=budget, **kwargs)
+            return search(text, *args, timeout=budget, concurrent=not held, **kwargs)
         except TimeoutError:
             used += time.thread_time() - cpu
             left = deadline - time.perf_counter()
             if used >= timeout or left <= 0:
                 raise
-            budget = min(4 * budget, left)
+            budget = min(timeout if held else 4 * budget, left)
+            held = False
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,6 @@ class StreamMatcher:
         may be retried until then (within_cpu_budget); None: the plain timeout."""
         self.rules = rules
         self._deadline = deadline
-        self._held_left = HELD_S
         self.norm = Normalizer()
         self.raw = bytearray()
         self.matches: list[Match] = []
@@ -240,34 +255,18 @@ class StreamMatcher:
         # switch interval. A streaming search (the short window, a few microseconds) keeps
         # it: the engine loop would otherwise wait for the GIL after each one while a gRPC
         # or executor thread runs (measured beside a busy thread: 1,500 searches/s instead
-        # of 90,000). A whole text: see _regex.
+        # of 90,000). A whole text, off the loop: see within_cpu_budget.
         concurrent = None if len(window) > self._window_len else False
         for i, pos in active.items():
             self._search(i, pos, window, base, final, found, concurrent)
 
-    def _regex(self, call: Callable[..., T], *args: Any, concurrent: bool | None, **kwargs: Any) -> T:
-        """A regex search with the rules' timeout (TimeoutError: fail closed).
-
-        A whole-text scan (input rules, audit masking; off the decode loop) searches holding
-        the GIL while it has some of HELD_S left, then releasing it. Released throughout, the
-        searches of a prompt's input scan (~1.5 ms alone) took ~20 ms beside one busy thread
-        and ~200 ms beside three, and every time they took the GIL back the engine loop lost
-        it (through gRPC at 128 streams: a third of the engine process's samples, and rules
-        on cost 17% of the tokens). Held throughout, a hostile input would stop the loop for
-        a whole timeout. A search that needs longer than what is left runs again releasing
-        the GIL, within the rules' timeout."""
+    def _regex(self, call: Callable[..., T], window: str, concurrent: bool | None,
+               **kwargs: Any) -> T:
+        """A regex search with the rules' timeout (TimeoutError: fail closed)."""
         timeout = self.rules.regex_timeout_s
         if self._deadline is None:  # streaming, on the decode loop: never retried
-            return call(*args, timeout=timeout, concurrent=concurrent, **kwargs)
-        if self._held_left > 0:
-            cpu = time.thread_time()
-            try:
-                return call(*args, timeout=min(timeout, self._held_left), concurrent=False, **kwargs)
-            except TimeoutError:
-                pass
-            finally:
-                self._held_left -= time.thread_time() - cpu
-        return within_cpu_budget(call, timeout, self._deadline, *args, concurrent=True, **kwargs)
+            return call(window, timeout=timeout, concurrent=concurrent, **kwargs)
+        return within_cpu_budget(call, timeout, self._deadline, window, **kwargs)  # a whole text
 
     def _search(self, i: int, pos: int, window: str, base: int, final: bool,
                 found: list[Match], concurrent: bool | None) -> None:
