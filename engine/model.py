@@ -126,7 +126,9 @@ class CompactLM:
         layer = self.layers[0]
         hidden, rows = layer.wo.shape[0], layer.wqkv.shape[0] + layer.w_gate_up.shape[0] * 3 // 2
         per_token = self.dtype.itemsize * (4 * hidden + rows) + 4 * hidden  # + a float32 norm
-        reserve = 2 * 1024**3 + 2 * prefill_tokens * per_token
+        # ...and a layer's gathered keys and values (a bucket's tokens plus a slot's positions)
+        per_key = 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        reserve = 2 * 1024**3 + 2 * (prefill_tokens * per_token + (prefill_tokens + max_len) * per_key)
         per_slot = SlotKVCache.bytes_per_slot(len(self.layers), self.n_kv_heads, max_len,
                                               self.head_dim, self.dtype)
         budget = fraction * total - (total - free) - reserve

@@ -194,17 +194,19 @@ def test_prefill_graph_replay_matches_the_eager_prefill(graphed):
     t, layout = graphs.layout(chunks, sample)
     replayed = graphs.run(t, torch.from_numpy(layout).cuda(), sum(sample)).clone()
     assert _relative_error(replayed, eager) < 2e-2
-    clear = _clear_first_choice(eager)  # bf16 over other shapes may swap near-ties
-    assert torch.equal(replayed.argmax(-1)[clear], eager.argmax(-1)[clear])
+    assert _first_choices(eager, replayed.argmax(-1).tolist())
     scratch = model.cache.scratch
     for c, e, b in zip(caches, eager_cache, before, strict=True):
         assert _relative_error(c[:4], e[:4]) < 2e-2
         assert torch.equal(c[4:scratch], b[4:scratch])  # untouched slots
 
 
-def _clear_first_choice(logits: torch.Tensor, margin: float = 0.1) -> torch.Tensor:
-    top = logits.float().topk(2, -1).values
-    return top[:, 0] - top[:, 1] > margin
+def _first_choices(logits: torch.Tensor, tokens: list[int], within: float = 0.05) -> bool:
+    """Is each token the first choice of its row of logits, or as good within bf16's noise
+    (other shapes round differently and may swap a near-tie)?"""
+    rows = logits.float()
+    picked = rows.gather(-1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+    return bool((picked >= rows.max(-1).values - within).all())
 
 
 def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_prefill(graphed):
@@ -215,7 +217,7 @@ def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_pref
     model, runner = graphed.model, graphed.runner
     model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
     chunks = [(2, 0, list(range(100, 150))), (3, 0, list(range(200, 240)))]
-    clear = _clear_first_choice(model.prefill(chunks, [True, True])).tolist()
+    eager_logits = model.prefill(chunks, [True, True]).clone()
 
     def step() -> list[int]:
         rows = [StepRow(0, 30, [7]), StepRow(1, 30, [8]),
@@ -231,8 +233,8 @@ def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_pref
     finally:
         runner.prefill_graphs = graphs
     assert replayed[:2] == eager[:2]  # the decode rows: the same graph
-    assert [t for t, c in zip(replayed[2:], clear, strict=True) if c] == \
-        [t for t, c in zip(eager[2:], clear, strict=True) if c]
+    assert eager[2:] == eager_logits.argmax(-1).tolist()
+    assert _first_choices(eager_logits, replayed[2:])
 
 
 def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):
