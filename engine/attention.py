@@ -141,7 +141,7 @@ class VarlenKeys:
         """slots, positions, cu_q, cu_k as int64 host arrays (the caller copies them once)."""
         ends = [start + n for _, start, n in chunks]
         slots = np.repeat(np.asarray([slot for slot, _, _ in chunks], dtype=np.int64), ends)
-        positions = np.concatenate([np.arange(end, dtype=np.int64) for end in ends])
+        positions = np.concatenate([np.zeros(0, np.int64), *(np.arange(end, dtype=np.int64) for end in ends)])
         cu_q = np.cumsum([0, *(n for _, _, n in chunks)], dtype=np.int64)
         cu_k = np.cumsum([0, *ends], dtype=np.int64)
         return slots, positions, cu_q, cu_k

@@ -218,12 +218,7 @@ class CompactLM:
         """The step's prefill indices: built on the host, copied to the device in one go.
         ids, positions and slots per token; the last token of each sampled chunk; the keys."""
         sizes = [n for _, _, n in spans]
-        parts = [
-            np.fromiter((t for _, _, toks in chunks for t in toks), dtype=np.int64, count=sum(sizes)),
-            np.concatenate([np.arange(start, start + n, dtype=np.int64) for _, start, n in spans]),
-            np.repeat(np.asarray([slot for slot, _, _ in spans], dtype=np.int64), sizes),
-            (np.cumsum(sizes) - 1)[np.asarray(sample, dtype=bool)],
-        ]
+        parts = prefill_arrays(chunks, sample)
         if self.varlen_prefill:
             parts += VarlenKeys.host_arrays(spans)
         flat = torch.from_numpy(np.concatenate(parts))
@@ -271,6 +266,19 @@ class CompactLM:
         n = x.shape[0]
         padded = F.pad(x, (0, 0, 0, -n % tile))
         return torch.cat([F.linear(rows, weight) for rows in padded.split(tile)])[:n]
+
+
+def prefill_arrays(chunks: list[Chunk], sample: list[bool]) -> list[np.ndarray]:
+    """A prefill step's host arrays (int64): ids, positions and slots per token; the last
+    token of each sampled chunk."""
+    sizes = [len(toks) for _, _, toks in chunks]
+    return [
+        np.fromiter((t for _, _, toks in chunks for t in toks), dtype=np.int64, count=sum(sizes)),
+        np.concatenate([np.zeros(0, np.int64),
+                        *(np.arange(start, start + len(toks), dtype=np.int64) for _, start, toks in chunks)]),
+        np.repeat(np.asarray([slot for slot, _, _ in chunks], dtype=np.int64), sizes),
+        (np.cumsum(sizes, dtype=np.int64) - 1)[np.asarray(sample, dtype=bool)],
+    ]
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

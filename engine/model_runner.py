@@ -13,7 +13,9 @@ from the previous step's samples by index, on the device.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .attention import VarlenKeys
+from .model import prefill_arrays
 from .sampler import BanIndex, DeviceParams, SamplingRows, sample
 
 log = structlog.get_logger(__name__)
@@ -78,17 +81,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         pool = None
-        side = torch.cuda.Stream()
         for size in reversed(self.buckets):  # largest first: the smaller reuse its memory
-            ids, positions, slots = self.inputs[:, :size]
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles, autotunes, JITs Triton
-                for _ in range(2):
-                    self.model.decode(ids, positions, slots)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model.decode(ids, positions, slots)
+            graph, out = _captured(functools.partial(self.model.decode, *self.inputs[:, :size]), pool)
             pool = graph.pool()
             self._graphs[size] = (graph, out)
         torch.cuda.synchronize()
@@ -140,46 +134,24 @@ class PrefillGraphs:
         return None
 
     def _layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool], t: int) -> np.ndarray:
-        """ids, positions and slots per token; the sampled rows; key slots and positions;
-        cumulative query and key counts. The dummy chunk follows the step's."""
+        """The eager prefill's host arrays (ids, positions and slots per token; the sampled
+        rows; key slots and positions; cumulative query and key counts), each padded to the
+        bucket: the dummy chunk follows the step's."""
         t, k, c = self.shape(t)
-        sizes = [len(toks) for _, _, toks in chunks]
-        starts = [start for _, start, _ in chunks]
-        ends = [start + n for start, n in zip(starts, sizes, strict=True)]
-        slot_of = np.asarray([slot for slot, _, _ in chunks], dtype=np.int64)
-        pad_q, pad_k = t - sum(sizes), k - sum(ends)
-        last = np.zeros(c, dtype=np.int64)
-        picked = (np.cumsum(sizes, dtype=np.int64) - 1)[np.asarray(sample, dtype=bool)]
-        last[: picked.size] = picked
-        cu_q, cu_k = np.full(c + 1, t, dtype=np.int64), np.full(c + 1, k, dtype=np.int64)
-        cu_q[: len(chunks) + 1] = np.cumsum([0, *sizes])
-        cu_k[: len(chunks) + 1] = np.cumsum([0, *ends])
+        ids, positions, slots, last = prefill_arrays(chunks, sample)
+        key_slots, key_positions, cu_q, cu_k = VarlenKeys.host_arrays(
+            [(slot, start, len(toks)) for slot, start, toks in chunks])
         scratch = self.scratch
-        return np.concatenate([
-            np.fromiter((x for _, _, toks in chunks for x in toks), dtype=np.int64, count=t - pad_q),
-            np.zeros(pad_q, dtype=np.int64),
-            *(np.arange(start, end, dtype=np.int64) for start, end in zip(starts, ends, strict=True)),
-            np.zeros(pad_q, dtype=np.int64),
-            np.repeat(slot_of, sizes), np.full(pad_q, scratch, dtype=np.int64),
-            last,
-            np.repeat(slot_of, ends), np.full(pad_k, scratch, dtype=np.int64),
-            *(np.arange(end, dtype=np.int64) for end in ends), np.zeros(pad_k, dtype=np.int64),
-            cu_q, cu_k,
-        ])
+        return np.concatenate([_padded(ids, t, 0), _padded(positions, t, 0), _padded(slots, t, scratch),
+                               _padded(last, c, 0), _padded(key_slots, k, scratch),
+                               _padded(key_positions, k, 0), _padded(cu_q, c + 1, t),
+                               _padded(cu_k, c + 1, k)])
 
     def capture(self) -> None:
         pool = None  # its own: the decode graph's logits are still to be sampled after a replay
-        side = torch.cuda.Stream()
         for t in reversed(self.buckets):  # largest first: the smaller reuse its memory
             inputs = torch.from_numpy(self._layout([], [], t)).to(self.model.device)  # padding alone
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles, autotunes
-                for _ in range(2):
-                    self._forward(inputs, t)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(inputs, t)
+            graph, out = _captured(functools.partial(self._forward, inputs, t), pool)
             pool = graph.pool()
             self._graphs[t] = (graph, inputs, out)
         torch.cuda.synchronize()
@@ -366,3 +338,22 @@ class ModelRunner:
             return torch.ones(1, device=self.device).add_(1).item() == 2.0
         except Exception:  # any failure here means the device is gone
             return False
+
+
+def _captured(forward: Callable[[], Tensor], pool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """forward warmed up on a side stream (compiles, autotunes, JITs Triton), then captured
+    into a CUDA graph in `pool`; the graph and its output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    return np.concatenate([values, np.full(size - values.size, fill, dtype=np.int64)])
