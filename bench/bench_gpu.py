@@ -16,7 +16,9 @@ written to the JSON after every phase, a table printed at the end:
               streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; each
               level twice: every stream started at once, and in the steady state (`steady`:
               streams out of phase, see run_engine_level); the steady state at 64+ streams
-              without prompt batching (`steady-nb`, the baseline of FINSIEVE_PROMPT_BATCH_TOKENS);
+              without prompt batching (`steady-nb`, the baseline of FINSIEVE_PROMPT_BATCH_TOKENS)
+              and with requests prepared on threads beside the loop (`steady-th`, the
+              baseline of FINSIEVE_PREPARE_WORKERS, which every other row uses as served);
               64 requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
@@ -327,8 +329,10 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
 def phase_inprocess(args) -> dict:
     import torch
 
+    from finsieve.config import Settings
     from finsieve.engine.engine import NO_POLICY, EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model
+    from finsieve.engine.preparer import Preparer
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
     from finsieve.serve import ENGINE_SWITCH_INTERVAL_S, settle_heap
@@ -339,7 +343,8 @@ def phase_inprocess(args) -> dict:
     model = load_model(args.model_dir, Path(args.work), device)
     t_load = time.perf_counter() - t0
     limits = EngineLimits(max_batch=max(args.levels), max_context=args.max_context,
-                          default_max_tokens=args.max_tokens, max_waiting=1024)
+                          default_max_tokens=args.max_tokens, max_waiting=1024,
+                          prepare_workers=Settings.load(env={}).prepare_workers)  # as served
     engine = LLMEngine(model, limits, device)
     t_ready = time.perf_counter() - t0
     result = {"load_s": t_load, "ready_s": t_ready, "graphs_s": engine.runner.startup_s,
@@ -387,6 +392,20 @@ def phase_inprocess(args) -> dict:
                   f"{row['tokens_per_s']:.0f} tok/s", flush=True)
     finally:
         engine.scheduler.prompt_batch = batch
+    # The baseline of the preparation workers: requests prepared on threads of this process
+    result["steady_threads"] = []
+    workers, engine.preparer = engine.preparer, Preparer(engine.tokenizer, engine.max_context, 0)
+    try:
+        for n in [n for n in args.levels if n >= 64]:
+            if time_left(args) < 60:
+                break
+            row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
+            row.update(streams=n, rules="on")
+            result["steady_threads"].append(row)
+            print(f"  in-process {n:>3} streams rules on steady, prepared on threads: "
+                  f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+    finally:
+        engine.preparer = workers
     if time_left(args) < 30:
         return result
     burst = min(64, max(args.levels))
@@ -1110,7 +1129,8 @@ def table(r: dict) -> str:
     lines.append(f"{'path':<10} {'streams':>7} {'rules':>5} {'tok/s':>8} {'vs floor':>8} {'vs hf1':>7} "
                  f"{'vs hfB':>7} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'repairs':>7}")
     for phase, key, path in (("inprocess", "levels", "inprocess"), ("inprocess", "steady", "steady"),
-                             ("inprocess", "steady_unbatched", "steady-nb"), ("serve", "levels", "serve")):
+                             ("inprocess", "steady_unbatched", "steady-nb"),
+                             ("inprocess", "steady_threads", "steady-th"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None

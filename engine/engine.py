@@ -40,9 +40,8 @@ import grpc
 import structlog
 import torch
 
-from finsieve.errors import RequestError, invalid
+from finsieve.errors import RequestError
 from finsieve.policy.guard import Decision, Guard, Intervention, Policy, Verdict
-from finsieve.policy.inputs import apply_input_rules
 from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2
 
@@ -52,6 +51,7 @@ from .hf_runner import HFRunner
 from .loader import LoadedModel
 from .model import SUPPORTED_ARCHITECTURES, CompactLM
 from .model_runner import Launch, ModelRunner, StepRow
+from .preparer import Message, Preparer
 from .sampler import noise_key
 from .scheduler import Row, Scheduler
 from .sequence import Finish, Sampling, Sequence, Sink, Status
@@ -80,6 +80,7 @@ class EngineLimits:
     # fallback, each chunk runs alone and costs its tokens, so waiting would gain nothing)
     prompt_batch_tokens: int = 1024
     prompt_wait_steps: int = 16
+    prepare_workers: int = 0  # processes that prepare requests (preparer.py); 0: the caller's thread
 
 
 class EngineFailed(RuntimeError):
@@ -109,7 +110,10 @@ class LLMEngine:
         self.default_max_tokens = limits.default_max_tokens
         self.max_rollbacks = limits.max_rollbacks
         self.policy = policy  # the policy in force now; a request keeps the one it started with
+        # Its workers start while the model is built and its graphs captured.
+        self.preparer = Preparer(self.tokenizer, self.max_context, limits.prepare_workers)
         self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
+        self.preparer.wait_ready()
         self.max_batch = self.model.n_slots
         batching = getattr(self.model, "batch_prefill", False)  # one forward for every chunk
         self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
@@ -128,13 +132,11 @@ class LLMEngine:
     # -- any thread -------------------------------------------------------------------
 
     def prepare(self, request: chat_pb2.ChatRequest, sink: Sink) -> Sequence:
-        """Tokenize, check the length, apply input rules (off the decode loop)."""
+        """Tokenize, check the length, apply input rules (off the decode loop; preparer.py)."""
         policy = self.policy()
-        raw = [{"role": m.role, "content": m.content} for m in request.messages]
-        ids = self._prompt_ids(raw)  # too long: refused before any rule scans it
-        verdict = apply_input_rules(policy.pack.input, request.messages)
-        if verdict.changed:
-            ids = self._prompt_ids(verdict.messages)
+        messages = [Message(m.role, m.content) for m in request.messages]
+        prepared = self.preparer.prepare(messages, policy.pack.input, policy.version)
+        ids, verdict = prepared.ids, prepared.verdict
         p = request.params
         sampling = Sampling.safe(
             max_tokens=max(min(p.max_tokens or self.default_max_tokens, self.max_context - len(ids)), 1),
@@ -144,21 +146,6 @@ class LLMEngine:
         guard = Guard(policy, self.token_bytes, self.max_rollbacks)
         return Sequence(request.request_id, sink, ids, sampling, guard,
                         input_events=verdict.events, halted_by_input=verdict.halted)
-
-    def _prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template may reject e.g. a misplaced system message
-            raise invalid("messages", f"the model's chat template rejected them: {e}") from None
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if len(ids) >= self.max_context:
-            raise invalid(
-                "messages",
-                f"the prompt is {len(ids)} tokens; the context holds {self.max_context} "
-                "tokens for prompt and answer together",
-            )
-        return ids
 
     def submit(self, seq: Sequence) -> None:
         self._inbox.put(seq)
@@ -171,6 +158,7 @@ class LLMEngine:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        self.preparer.close()
 
     # -- the engine thread ------------------------------------------------------------
 

@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt-batch-tokens", type=int,
                    help="CUDA: fresh prompts wait for this many tokens while streams decode")
     s.add_argument("--prompt-wait-steps", type=int, help="CUDA: ... or this many steps at most")
+    s.add_argument("--prepare-workers", type=int,
+                   help="processes preparing requests off the engine's GIL (0 = its threads)")
     s.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION")
     s.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="CUDA: torch.compile the decode step")

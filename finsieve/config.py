@@ -101,6 +101,9 @@ class Settings:
     prompt_wait_steps: int = _setting(
         16, "CUDA: the most decode steps a fresh prompt waits for others (0: never; see "
         "prompt_batch_tokens)")
+    prepare_workers: int = _setting(
+        2, "processes that prepare requests (chat template, tokenizer, input rules) off the "
+        "engine's GIL; 0 = on the engine's own threads")
     gpu_memory_utilization: float = _setting(
         0.9, "CUDA: share of the device's memory the engine may fill (weights + KV slots)")
     compile: bool = _setting(True, "CUDA: torch.compile the decode step (fuses elementwise work)")
@@ -178,7 +181,8 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
         for name in ("key_cache_s", "tenant_requests_per_s", "tenant_tokens_per_min",
-                     "tenant_concurrent_streams", "prompt_batch_tokens", "prompt_wait_steps"):
+                     "tenant_concurrent_streams", "prompt_batch_tokens", "prompt_wait_steps",
+                     "prepare_workers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.key_cache_max <= 0:
