@@ -723,7 +723,7 @@ def _py_spy(pid: int, output: Path, args) -> subprocess.Popen | None:
 
 def _py_spy_summary(path: Path, top: int = 30) -> dict:
     """Shares of the samples per thread, per innermost function and per function anywhere on
-    the stack (the raw file is removed: one level's samples are megabytes)."""
+    the stack (the raw file stays beside it, for a closer look)."""
     if not path.exists():
         return {"error": "py-spy wrote nothing (is ptrace allowed here?)"}
     threads, leaf, anywhere = Counter(), Counter(), Counter()
@@ -738,7 +738,6 @@ def _py_spy_summary(path: Path, top: int = 30) -> dict:
         leaf[frames[-1]] += n
         for frame in set(frames[1:]):
             anywhere[frame] += n
-    path.unlink()
 
     def shares(c: Counter) -> list[tuple[str, float]]:
         return [(k[:140], round(v / total, 4)) for k, v in c.most_common(top)]

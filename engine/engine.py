@@ -1,8 +1,9 @@
 """The engine: continuous batching of every live sequence, rules inside the decoder loop.
 
-`prepare` (on the gRPC server's executor threads) tokenizes a request, checks its length
-against the context and only then applies the input rules; `submit` and `cancel` reach the
-engine thread through its inbox. The engine thread runs `step` in a loop:
+`prepare` (called on the gRPC server's executor threads) has a request tokenized, its length
+checked against the context and only then the input rules applied, in worker processes
+(preparer.py); `submit` and `cancel` reach the engine thread through its inbox. The engine
+thread runs `step` in a loop:
 
   1. take the inbox: queue new requests (a bounded queue), cancel by (sink, request id);
   2. admit waiting requests into free KV slots; the scheduler picks this step's rows;
