@@ -81,7 +81,7 @@ class EngineLimits:
     # fallback, each chunk runs alone and costs its tokens, so waiting would gain nothing)
     prompt_batch_tokens: int = 1024
     prompt_wait_steps: int = 16
-    prepare_workers: int = 0  # processes that prepare requests (preparer.py); 0: the caller's thread
+    prepare_workers: int = 2  # processes that prepare requests (preparer.py); 0: the caller's thread
 
 
 class EngineFailed(RuntimeError):
@@ -113,7 +113,11 @@ class LLMEngine:
         self.policy = policy  # the policy in force now; a request keeps the one it started with
         # Its workers start while the model is built and its graphs captured.
         self.preparer = Preparer(self.tokenizer, self.max_context, limits.prepare_workers)
-        self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
+        try:
+            self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
+        except BaseException:
+            self.preparer.close()
+            raise
         self.preparer.wait_ready()
         self.max_batch = self.model.n_slots
         batching = getattr(self.model, "batch_prefill", False)  # one forward for every chunk

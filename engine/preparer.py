@@ -4,24 +4,32 @@ With `prepare_workers` > 0 it runs in worker processes, not on threads beside th
 loop. On threads it held the engine process's GIL (~0.6 ms a request with rules off, ~1.7 ms
 with the default packs and 10,000 literals, on a 2-core CPU), and each time the loop let go
 of the GIL (every wait for the device) a preparing thread could keep it for a switch
-interval: on an H200 at 128 streams with requests arriving steadily, a step took 10.9 ms
-with rules on against 7.0 off. vLLM's V1 front-end process takes this work off its engine
-core for the same reason.
+interval: on an H200 at 128 streams with requests arriving steadily and rules on, steps
+took 10.7 ms on threads and 7.6 ms with two workers (README, "GPU figures"). vLLM's V1
+front-end process takes this work off its engine core for the same reason.
 
 A worker keeps the input rules of the policy versions it has seen; the engine sends a
 version's rules only to a worker that asks for them, so a request carries its messages and
 its policy version, nothing more. The prompt's length is checked against the context before
 any rule scans it.
+
+Failures stay with the requests they hit. A worker that dies fails the requests in flight
+with UNAVAILABLE (they are not retried here: the one that killed it would take the engine
+down) and a fresh pool serves the next ones; so does a request that runs past TIMEOUT_S (a
+worker that hangs). At most QUEUED_PER_WORKER requests per worker wait in the pool.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
+import signal
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import grpc
@@ -29,13 +37,16 @@ import structlog
 
 from finsieve.errors import RequestError, invalid
 from finsieve.policy.inputs import InputVerdict, apply_input_rules
+from finsieve.policy.matcher import REGEX_TIMEOUTS
 from finsieve.policy.pack import RuleSet
 from finsieve.policy.schema import Rule
 
 log = structlog.get_logger(__name__)
 
-TIMEOUT_S = 30.0  # a request's preparation; its regex searches are bounded far below this
+TIMEOUT_S = 10.0  # one request's preparation; its regex searches are bounded far below this
+QUEUED_PER_WORKER = 8
 KEPT_VERSIONS = 4  # policy versions whose input rules a worker keeps (a reload adds one)
+RETRY_MS = 1000
 
 
 class Message(NamedTuple):
@@ -47,6 +58,7 @@ class Message(NamedTuple):
 class Prepared:
     ids: list[int]  # the prompt the model reads: the input rules' spans replaced
     verdict: InputVerdict
+    regex_timeouts: tuple[str, ...] = ()  # rule ids whose searches timed out in a worker
 
 
 def prepare(tokenizer: Any, max_context: int, rules: RuleSet, messages: list[Message]) -> Prepared:
@@ -72,63 +84,108 @@ def prompt_ids(tokenizer: Any, max_context: int, messages: list[Message]) -> lis
     return ids
 
 
+def _unavailable(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAVAILABLE, message, retry_after_ms=RETRY_MS)
+
+
 class Preparer:
     """Prepares requests in `workers` processes (0: on the calling thread)."""
 
     def __init__(self, tokenizer: Any, max_context: int, workers: int) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.workers = workers
         self._lock = threading.Lock()
-        if workers > 0:
-            # spawn: a fork of a process holding a CUDA context (and threads) is not safe.
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                workers, multiprocessing.get_context("spawn"), initializer=_start,
-                initargs=(tokenizer, max_context))
+        self._room = threading.BoundedSemaphore(max(workers, 1) * QUEUED_PER_WORKER)
+        self._pool = self._new_pool() if workers else None
+        if self._pool is not None:  # they start while the caller goes on (the model loads)
             self._warming = [self._pool.submit(_ready) for _ in range(workers)]
 
-    @property
-    def workers(self) -> int:
-        return self._pool._max_workers if self._pool is not None else 0  # type: ignore[attr-defined]
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # spawn: a fork of a process holding a CUDA context (and threads) is not safe.
+        return concurrent.futures.ProcessPoolExecutor(
+            self.workers, multiprocessing.get_context("spawn"), initializer=_start,
+            initargs=(self.tokenizer, self.max_context, os.getpid()))
 
     def wait_ready(self) -> None:
-        """Wait for the workers to start; if they cannot, prepare on the calling threads."""
-        if self._pool is None:
+        """Wait until every worker has started; if they cannot, prepare on the calling
+        threads."""
+        pool = self._pool
+        if pool is None:
             return
+        deadline = time.monotonic() + 3 * TIMEOUT_S
         try:
-            for f in self._warming:
-                f.result(timeout=TIMEOUT_S)
+            pids = {f.result(TIMEOUT_S) for f in self._warming}
+            while len(pids) < self.workers and time.monotonic() < deadline:
+                pids |= {f.result(TIMEOUT_S) for f in [pool.submit(_ready) for _ in range(self.workers)]}
+            if len(pids) < self.workers:
+                raise TimeoutError(f"{len(pids)} of {self.workers} workers answered")
         except Exception as e:
             log.error("request preparation workers did not start; preparing on the engine's "
                       "threads", error=repr(e))
             self.close()
+            self.workers = 0
 
     def prepare(self, messages: list[Message], rules: RuleSet, version: str) -> Prepared:
         pool = self._pool
         if pool is None:
             return prepare(self.tokenizer, self.max_context, rules, messages)
-        try:
-            result = pool.submit(_prepare, messages, version, None).result(TIMEOUT_S)
-            if isinstance(result, str):  # NEED_RULES: this worker has not seen the version: send its rules
-                result = pool.submit(_prepare, messages, version,
-                                     (rules.rules, rules.regex_timeout_s)).result(TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine could not prepare the "
-                               "request in time; retry", retry_after_ms=1000) from None
-        except BrokenProcessPool as e:  # a worker died: this request and later ones go inline
-            log.error("a request preparation worker died; preparing on the engine's threads",
-                      error=repr(e))
-            self.close()
-            return prepare(self.tokenizer, self.max_context, rules, messages)
-        if isinstance(result, _Refused):
-            raise invalid(result.field, result.message)
+        result = self._call(pool, messages, version, None)
+        if isinstance(result, str):  # NEED_RULES: this worker has not seen the version
+            result = self._call(pool, messages, version, (rules.rules, rules.regex_timeout_s))
+        if isinstance(result, RequestError):
+            raise result
+        if isinstance(result, _Failed):
+            log.error("a request preparation worker failed a request", error=result.error)
+            raise RequestError(grpc.StatusCode.INTERNAL, "the engine could not prepare this request")
+        for rule_id in result.regex_timeouts:  # counted where the metrics are served
+            REGEX_TIMEOUTS.labels(rule_id).inc()
         return result
+
+    def _call(self, pool: concurrent.futures.ProcessPoolExecutor, *args: Any) -> Any:
+        if not self._room.acquire(timeout=TIMEOUT_S):
+            raise _unavailable("the engine's request preparation is saturated; retry")
+        try:
+            future = pool.submit(_prepare, *args)
+        except RuntimeError:  # closed: the engine is stopping (or the pool was replaced)
+            self._room.release()
+            raise _unavailable("the engine is not preparing requests now; retry") from None
+        future.add_done_callback(lambda _: self._room.release())
+        try:
+            return future.result(TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self._replace(pool, "a request preparation ran past its time; workers restarted")
+            raise _unavailable("the engine could not prepare the request in time; retry") from None
+        except BrokenProcessPool:
+            self._replace(pool, "a request preparation worker died; workers restarted")
+            raise _unavailable("the engine's request preparation failed; retry") from None
+        except concurrent.futures.CancelledError:  # closed meanwhile
+            raise _unavailable("the engine is not preparing requests now; retry") from None
+
+    def _replace(self, broken: concurrent.futures.ProcessPoolExecutor, why: str) -> None:
+        """A fresh pool for the next requests (once, whichever thread sees the break first)."""
+        with self._lock:
+            if self._pool is not broken:
+                return
+            self._pool = self._new_pool()
+        log.error(why)
+        _end(broken)
 
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            _end(pool)
+
+
+def _end(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Shut a pool down without waiting for work that may never end: its workers are killed
+    (Python 3.14's terminate_workers does this)."""
+    processes = list(pool._processes.values())  # type: ignore[attr-defined]
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        p.kill()
 
 
 # -- in a worker process --------------------------------------------------------------------
@@ -136,9 +193,8 @@ class Preparer:
 NEED_RULES = "need-rules"
 
 
-class _Refused(NamedTuple):
-    field: str
-    message: str
+class _Failed(NamedTuple):
+    error: str  # the exception's type: no text of the request, no trace
 
 
 class _Worker:
@@ -151,20 +207,30 @@ class _Worker:
 _worker: _Worker | None = None  # this worker process's tokenizer and rules (set by _start)
 
 
-def _start(tokenizer: Any, max_context: int) -> None:
+def _start(tokenizer: Any, max_context: int, parent: int) -> None:
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
+    threading.Thread(target=_exit_without, args=(parent,), daemon=True).start()
     _worker = _Worker(tokenizer, max_context)
 
 
-def _ready() -> bool:
-    return _worker is not None
+def _exit_without(parent: int) -> None:
+    """The engine may die without closing the pool (SIGKILL, a crash): its workers follow."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _ready() -> int:
+    time.sleep(0.05)  # held a little, so that each worker answers one of a round
+    return os.getpid()
 
 
 def _prepare(messages: list[Message], version: str,
-             rules: tuple[tuple[Rule, ...], float] | None) -> Prepared | _Refused | str:
+             rules: tuple[tuple[Rule, ...], float] | None) -> Prepared | RequestError | _Failed | str:
     w = _worker
     assert w is not None
-    if rules is not None:
+    if rules is not None and version not in w.rules:
         w.rules[version] = RuleSet(list(rules[0]), rules[1])
         while len(w.rules) > KEPT_VERSIONS:
             w.rules.popitem(last=False)
@@ -172,7 +238,18 @@ def _prepare(messages: list[Message], version: str,
     if compiled is None:
         return NEED_RULES
     w.rules.move_to_end(version)
+    before = _timeouts()
     try:
-        return prepare(w.tokenizer, w.max_context, compiled, messages)
+        prepared = prepare(w.tokenizer, w.max_context, compiled, messages)
     except RequestError as e:
-        return _Refused(e.field, e.message.removeprefix(f"{e.field}: "))
+        return e
+    except Exception as e:
+        return _Failed(type(e).__name__)
+    timed_out = _timeouts() - before
+    return replace(prepared, regex_timeouts=tuple(timed_out.elements())) if timed_out else prepared
+
+
+def _timeouts() -> Counter[str]:
+    """This process's regex timeouts per rule id, so far."""
+    return Counter({s.labels["rule_id"]: int(s.value) for metric in REGEX_TIMEOUTS.collect()
+                    for s in metric.samples if s.name.endswith("_total")})

@@ -164,6 +164,8 @@ def _serve(args: argparse.Namespace) -> int:
         k: v for k, v in vars(args).items() if k in Settings.__dataclass_fields__
     }
     settings = Settings.load(overrides)
+    # Read: the processes this one starts (request preparation) need not inherit a password.
+    os.environ.pop(Settings.env_name("redis_url"), None)
     logs.configure(settings.log_format, settings.log_level)
     try:
         asyncio.run(serve(settings))

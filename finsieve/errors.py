@@ -21,6 +21,9 @@ class RequestError(Exception):
         self.field = field
         self.retry_after_ms = retry_after_ms
 
+    def __reduce__(self) -> tuple:  # crosses from a preparation worker process whole
+        return RequestError, (self.code, self.message, self.field, self.retry_after_ms)
+
     def to_event(self, request_id: str) -> chat_pb2.ChatServerMessage:
         return error_event(request_id, self.code, self.message, self.field, self.retry_after_ms)
 

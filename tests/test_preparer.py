@@ -6,15 +6,22 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from finsieve.engine import preparer as preparer_module
 from finsieve.engine.preparer import Message, Preparer
 from finsieve.errors import RequestError
+from finsieve.policy.matcher import REGEX_TIMEOUTS
 from finsieve.policy.pack import Pack
+from finsieve.policy.sources import PackLimits
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -63,8 +70,9 @@ def test_workers_prepare_what_the_calling_thread_would(tokenizer, pool) -> None:
 
 
 def test_a_new_policy_version_reaches_every_worker(tokenizer, pool, tmp_path: Path) -> None:
-    messages = [Message("user", "Tell me about the alpha fund and the beta fund.")]
-    for word in ("alpha", "beta", "alpha"):  # the third: a version the workers already hold
+    messages = [Message("user", "Tell me about the alpha fund and the gamma fund, not the zeta one.")]
+    # More versions than a worker keeps; the last, one it held and let go of
+    for word in ("alpha", "gamma", "zeta", "one", "about", "gamma", "alpha"):
         pack = _pack(tmp_path / word, word)
         for _ in range(4):  # more requests than workers: each worker answers some
             verdict = pool.prepare(messages, pack.input, pack.version).verdict
@@ -91,15 +99,119 @@ def test_refusals_name_the_field_as_on_the_calling_thread(tokenizer) -> None:
         assert errors[1][1] == "messages" and says in errors[1][2]
 
 
-def test_a_dead_worker_fails_no_request(tokenizer) -> None:
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0]
+    return state != "Z"
+
+
+def test_a_dead_worker_fails_only_the_requests_in_flight(tokenizer) -> None:
     pack = Pack.load(REPO / "rules")
     preparer = Preparer(tokenizer, 512, workers=1)
     preparer.wait_ready()
     expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[1], pack.input, pack.version)
     assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
-    (pid,) = preparer._pool._processes  # type: ignore[union-attr]
+    (pid,) = _children(os.getpid()) & set(preparer._pool._processes)  # type: ignore[union-attr]
     os.kill(pid, signal.SIGKILL)
-    time.sleep(0.5)
-    for _ in range(3):  # prepared on the calling thread from now on
+    with pytest.raises(RequestError) as e:  # not retried in the engine: it may be what killed it
+        preparer.prepare(PROMPTS[1], pack.input, pack.version)
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE and e.value.retry_after_ms > 0
+    for _ in range(3):  # a fresh worker serves the next ones
         assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
-    assert preparer.workers == 0
+    assert pid not in preparer._pool._processes  # type: ignore[union-attr]
+    preparer.close()
+
+
+def test_a_hung_worker_times_out_its_request_and_is_replaced(tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(preparer_module, "TIMEOUT_S", 2.0)
+    pack = Pack.load(REPO / "rules")
+    preparer = Preparer(tokenizer, 512, workers=1)
+    preparer.wait_ready()
+    (pid,) = preparer._pool._processes  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(RequestError) as e:
+        preparer.prepare(PROMPTS[0], pack.input, pack.version)
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 5
+    assert preparer.prepare(PROMPTS[0], pack.input, pack.version).ids  # a fresh worker
+    for _ in range(50):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid)  # the hung one was killed, not left behind
+    preparer.close()
+
+
+def test_closing_while_requests_are_prepared_fails_them_cleanly(tokenizer) -> None:
+    pack = Pack.load(REPO / "rules")
+    preparer = Preparer(tokenizer, 512, workers=2)
+    preparer.wait_ready()
+    outcomes: list[str] = []
+
+    def one() -> None:
+        try:
+            preparer.prepare(PROMPTS[3], pack.input, pack.version)
+            outcomes.append("ok")
+        except RequestError as e:
+            outcomes.append(e.code.name)
+
+    with ThreadPoolExecutor(16) as threads:
+        futures = [threads.submit(one) for _ in range(64)]
+        time.sleep(0.05)
+        preparer.close()
+        for f in futures:
+            f.result()  # nothing but RequestError escapes
+    assert set(outcomes) <= {"ok", "UNAVAILABLE"} and len(outcomes) == 64
+    assert preparer.prepare(PROMPTS[0], pack.input, pack.version).ids  # closed: on this thread
+
+
+def test_regex_timeouts_in_a_worker_are_counted_here(tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(
+        "rules:\n  - id: slow-input\n    description: backtracks on a run of a\n"
+        "    kind: regex\n    scope: input\n    action: redact\n    replacement: '[X]'\n"
+        "    max_span: 100\n    patterns: ['(?:a|aa)+c']\n")
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.001))
+    preparer = Preparer(tokenizer, 512, workers=1)
+    preparer.wait_ready()
+
+    def count() -> float:
+        return REGEX_TIMEOUTS.labels("slow-input")._value.get()
+
+    before = count()
+    prepared = preparer.prepare([Message("user", "a" * 60 + "b")], pack.input, pack.version)
+    assert count() > before
+    assert [i.rule_id for i in prepared.verdict.events] == ["slow-input"]  # failed closed
+    preparer.close()
+
+
+def test_workers_do_not_outlive_a_killed_engine(tmp_path: Path, default_model_dir: Path) -> None:
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from transformers import AutoTokenizer\n"
+        "from finsieve.engine.preparer import Preparer\n"
+        "if __name__ == '__main__':\n"
+        f"    p = Preparer(AutoTokenizer.from_pretrained({str(default_model_dir)!r}), 512, 2)\n"
+        "    p.wait_ready()\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        workers = _children(proc.pid)
+        assert len(workers) >= 2  # the two workers (and multiprocessing's resource tracker)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.2)
+    assert not [w for w in workers if _alive(w)]
