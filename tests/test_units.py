@@ -53,7 +53,9 @@ def test_settings_from_environment_and_flags():
      ({"FINSIEVE_MAX_MESSAGE_BYTES": "9000000"}, "FINSIEVE_MAX_MESSAGE_BYTES: at most 8388608"),
      ({"FINSIEVE_MIN_PING_INTERVAL_S": "90"}, "must not exceed FINSIEVE_KEEPALIVE_TIME_S"),
      ({"FINSIEVE_MAX_CONNECTION_AGE_S": "-1"}, "must not be negative"),
-     ({"FINSIEVE_SLOW_READER_GRACE_S": "0"}, "FINSIEVE_SLOW_READER_GRACE_S: must be positive")],
+     ({"FINSIEVE_SLOW_READER_GRACE_S": "0"}, "FINSIEVE_SLOW_READER_GRACE_S: must be positive"),
+     ({"FINSIEVE_PREPARE_WORKERS": "-1"}, "FINSIEVE_PREPARE_WORKERS: must not be negative"),
+     ({"FINSIEVE_PREPARE_WORKERS": "65"}, "FINSIEVE_PREPARE_WORKERS: at most 64")],
 )
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
