@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -632,8 +633,10 @@ def phase_serve(args) -> dict:
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
 
     t0 = time.perf_counter()
+    metrics_port = free_port()
     engine = start(["--role", "engine", "--host", "127.0.0.1", "--engine-port", str(engine_port),
-                    "--device", device, "--model", args.model_dir, "--rules", str(rules),
+                    "--metrics-port", str(metrics_port), "--device", device,
+                    "--model", args.model_dir, "--rules", str(rules),
                     "--luts", str(work / "luts"), "--max-batch", str(max(args.levels)),
                     "--max-context", str(args.max_context), "--max-waiting", "1024",
                     "--state-dir", str(work / "engine-state")], "engine")
@@ -678,6 +681,9 @@ def phase_serve(args) -> dict:
                     break
                 samples = Path(args.log_dir) / f"py-spy-engine-{n}-{name}.txt"
                 spy = _py_spy(engine.pid, samples, args)
+                processes = {"engine": [engine.pid], "preparation workers": _children(engine.pid),
+                             "gateways": [g.pid for g in gateways], "valkey": [valkey.process.pid]}
+                cpu, steps = _cpu_seconds(processes), _step_histogram(metrics_port)
                 try:
                     row = grpc_level(target, key, texts, n, args.rounds, args.max_tokens,
                                      args.client_procs, timeout=time_left(args) - 25)
@@ -688,12 +694,15 @@ def phase_serve(args) -> dict:
                     spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
                     spy.wait(30)
                     row["py_spy"] = _py_spy_summary(samples)
+                row["cpu_s"] = {k: round(v - cpu[k], 2) for k, v in _cpu_seconds(processes).items()}
+                row["engine_steps"] = _step_stats(steps, _step_histogram(metrics_port))
                 row.update(streams=n, rules=name)
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row.get('errors')} "
                       f"{row.get('error_examples') or row.get('error', '')}, finishes "
-                      f"{row.get('finishes')}", flush=True)
+                      f"{row.get('finishes')}; engine steps {row['engine_steps']}; CPU seconds "
+                      f"{row['cpu_s']}", flush=True)
                 _save_logs(logs, args)
                 Path(args.result).write_text(json.dumps(result))
     finally:
@@ -708,6 +717,57 @@ def phase_serve(args) -> dict:
         result["engine_log_tail"] = (work / "engine.log").read_text(errors="replace")[-1500:]
         _save_logs(logs, args)
     return result
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _cpu_seconds(processes: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds so far of each group of processes (Linux /proc)."""
+    out = {}
+    for name, pids in processes.items():
+        total = 0.0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[name] = total
+    return out
+
+
+def _step_histogram(port: int) -> dict[str, float]:
+    """The engine's own finsieve_decode_step_seconds (cumulative buckets, count, sum)."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("finsieve_decode_step_seconds_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("finsieve_decode_step_seconds_")] = float(value)
+    return out
+
+
+def _step_stats(before: dict[str, float], after: dict[str, float]) -> dict:
+    """A level's engine steps (its own clock, launch to launch): how many, the mean, and the
+    share longer than 10 ms."""
+    count = after.get("count", 0) - before.get("count", 0)
+    if count <= 0:
+        return {}
+    under_10ms = after.get('bucket{le="0.01"}', 0) - before.get('bucket{le="0.01"}', 0)
+    return {"steps": int(count),
+            "mean_ms": round(1000 * (after["sum"] - before.get("sum", 0)) / count, 2),
+            "over_10ms": round(1 - under_10ms / count, 3)}
 
 
 def _py_spy(pid: int, output: Path, args) -> subprocess.Popen | None:

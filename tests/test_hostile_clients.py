@@ -159,11 +159,15 @@ def test_requests_in_flight_are_bounded_per_stream_and_per_connection(tight_serv
                 if "cancel" not in kw else chat_pb2.ChatClientMessage(cancel=chat_pb2.Cancel(request_id=rid))
             queues[i].put_nowait(msg)
 
+        ended: list[dict] = [{}, {}]  # per call: request id -> its terminal event
+
         async def terminal(i: int, rid: str):
-            while True:
+            # Requests end in any order: cancelled together, their ends may swap.
+            while rid not in ended[i]:
                 e = await asyncio.wait_for(calls[i].read(), 300)
-                if e.request_id == rid and e.WhichOneof("event") in ("finished", "error"):
-                    return e
+                if e.WhichOneof("event") in ("finished", "error"):
+                    ended[i][e.request_id] = e
+            return ended[i].pop(rid)
 
         for n in range(5):  # the fifth is one too many on this stream
             send(0, f"s{n}", max_tokens=LONG)
