@@ -182,7 +182,7 @@ class Preparer:
 def _end(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Shut a pool down without waiting for work that may never end: its workers are killed
     (Python 3.14's terminate_workers does this)."""
-    processes = list(pool._processes.values())  # type: ignore[attr-defined]
+    processes = list((pool._processes or {}).values())  # type: ignore[attr-defined]
     pool.shutdown(wait=False, cancel_futures=True)
     for p in processes:
         p.kill()
