@@ -378,33 +378,16 @@ def phase_inprocess(args) -> dict:
                       f"errors {row['errors']}, finishes {row.get('finishes')}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     engine.policy = lambda: policy
-    # The baseline of the prompt batching: the steady state with every prompt prefilled in
-    # the step after it arrives
-    result["steady_unbatched"] = []
+    # The baselines of the prompt batching (every prompt prefilled in the step after it
+    # arrives) and of the preparation workers (requests prepared on threads of this process)
     batch, engine.scheduler.prompt_batch = engine.scheduler.prompt_batch, 0
     try:
-        for n in [n for n in args.levels if n >= 64]:
-            if time_left(args) < 60:
-                break
-            row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
-            row.update(streams=n, rules="on")
-            result["steady_unbatched"].append(row)
-            print(f"  in-process {n:>3} streams rules on steady, prompts not batched: "
-                  f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+        result["steady_unbatched"] = _steady_rows(engine, texts, args, "prompts not batched")
     finally:
         engine.scheduler.prompt_batch = batch
-    # The baseline of the preparation workers: requests prepared on threads of this process
-    result["steady_threads"] = []
     workers, engine.preparer = engine.preparer, Preparer(engine.tokenizer, engine.max_context, 0)
     try:
-        for n in [n for n in args.levels if n >= 64]:
-            if time_left(args) < 60:
-                break
-            row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
-            row.update(streams=n, rules="on")
-            result["steady_threads"].append(row)
-            print(f"  in-process {n:>3} streams rules on steady, prepared on threads: "
-                  f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+        result["steady_threads"] = _steady_rows(engine, texts, args, "prepared on threads")
     finally:
         engine.preparer = workers
     if time_left(args) < 30:
@@ -420,6 +403,20 @@ def phase_inprocess(args) -> dict:
     if device.type == "cuda":
         result["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
+
+
+def _steady_rows(engine, texts: list[str], args, label: str) -> list[dict]:
+    """The steady state with rules on at 64 streams and more, under a baseline's setting."""
+    rows = []
+    for n in [n for n in args.levels if n >= 64]:
+        if time_left(args) < 60:
+            break
+        row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
+        row.update(streams=n, rules="on")
+        rows.append(row)
+        print(f"  in-process {n:>3} streams rules on steady, {label}: "
+              f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+    return rows
 
 
 def _graph_replay_ms(engine) -> dict:
