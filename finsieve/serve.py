@@ -333,7 +333,9 @@ async def _watch_admin(engines: EnginePool, audit: AuditLog) -> None:
             info = await client.info()
             if info is None:
                 continue
-            loads, rejections = seen.get(client.address, (info.pack_loads, info.pack_rejections))
+            # An engine starts with one pack loaded and none rejected: what it did before this
+            # gateway first reached it is recorded too (as one load: the version in force).
+            loads, rejections = seen.get(client.address, (1, 0))
             if info.pack_loads > loads:
                 await _admin(audit, {"event": "rule_pack_loaded", "engine": client.address,
                                      "policy_version": info.policy_version})

@@ -382,3 +382,35 @@ def test_failed_requests_are_audited_and_verify_exits_1_at_a_broken_record(tmp_p
         assert f"BROKEN at record {final['seq']}" in broken.stdout and "altered" in broken.stdout
     finally:
         srv.stop()
+
+
+def test_a_gateway_records_a_pack_its_engine_loaded_before_they_met(tight_server, tmp_path):
+    """A gateway that reaches an engine after the engine reloaded its rules records the pack
+    in force (it used to take the engine's count then as its baseline: a change never told)."""
+    from conftest import wait_for
+
+    loaded = tight_server.metric("finsieve_rule_pack_reloads_total", result="loaded")
+    (tight_server.rules / "met-later.yaml").write_text(
+        "rules:\n  - id: met-later\n    description: d\n    kind: literal\n"
+        "    patterns: [quokka]\n    action: block\n")
+    try:
+        assert wait_for(lambda: tight_server.metric(
+            "finsieve_rule_pack_reloads_total", result="loaded") > loaded, 30, 0.1)
+        gateway = start_server(tmp_path, "--role", "gateway", "--engine", tight_server.engine_target,
+                               env={"FINSIEVE_ENGINE_SECRET_FILE": str(tight_server.engine_secret_file)})
+        try:
+            def admin() -> list[dict]:
+                page = audit_stub(gateway.audit_target,
+                                  lambda s: s.Query(audit_pb2.AuditQuery(page_size=1000)))
+                return [r for r in map(json.loads, (r.json for r in page.records))
+                        if r["type"] == "admin" and r["event"] == "rule_pack_loaded"]
+
+            assert wait_for(lambda: admin(), 30, 0.2)
+            assert admin()[0]["engine"] == tight_server.engine_target
+        finally:
+            gateway.stop()
+    finally:
+        loaded = tight_server.metric("finsieve_rule_pack_reloads_total", result="loaded")
+        (tight_server.rules / "met-later.yaml").unlink()  # the shared server's pack, as it was
+        assert wait_for(lambda: tight_server.metric(
+            "finsieve_rule_pack_reloads_total", result="loaded") > loaded, 30, 0.1)
