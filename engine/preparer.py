@@ -15,8 +15,12 @@ any rule scans it.
 
 Failures stay with the requests they hit. A worker that dies fails the requests in flight
 with UNAVAILABLE (they are not retried here: the one that killed it would take the engine
-down) and a fresh pool serves the next ones; so does a request that runs past TIMEOUT_S (a
-worker that hangs). At most QUEUED_PER_WORKER requests per worker wait in the pool.
+down) and a fresh pool serves the next ones; so does a request whose preparation has run
+past TIMEOUT_S (a worker that hangs). A request still queued at its deadline fails alone:
+the pool is busy, not hung. At most QUEUED_PER_WORKER requests per worker are in the pool.
+Workers get the tokenizer as a directory to load, not as a pickle: spawning writes its
+arguments into a pipe, and a payload larger than the pipe would block the spawning thread
+for good if the new worker died before reading it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -43,8 +48,8 @@ from finsieve.policy.schema import Rule
 
 log = structlog.get_logger(__name__)
 
-TIMEOUT_S = 10.0  # one request's preparation; its regex searches are bounded far below this
-QUEUED_PER_WORKER = 8
+TIMEOUT_S = 30.0  # one request's preparation, queue included; its regex searches are bounded
+QUEUED_PER_WORKER = 4
 KEPT_VERSIONS = 4  # policy versions whose input rules a worker keeps (a reload adds one)
 RETRY_MS = 1000
 
@@ -97,15 +102,19 @@ class Preparer:
         self.workers = workers
         self._lock = threading.Lock()
         self._room = threading.BoundedSemaphore(max(workers, 1) * QUEUED_PER_WORKER)
-        self._pool = self._new_pool() if workers else None
-        if self._pool is not None:  # they start while the caller goes on (the model loads)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        if workers:
+            self._saved = tempfile.TemporaryDirectory(prefix="finsieve-tokenizer-")
+            tokenizer.save_pretrained(self._saved.name)
+            self._pool = self._new_pool()
+            # They start while the caller goes on (the model loads).
             self._warming = [self._pool.submit(_ready) for _ in range(workers)]
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         # spawn: a fork of a process holding a CUDA context (and threads) is not safe.
         return concurrent.futures.ProcessPoolExecutor(
             self.workers, multiprocessing.get_context("spawn"), initializer=_start,
-            initargs=(self.tokenizer, self.max_context, os.getpid()))
+            initargs=(type(self.tokenizer), self._saved.name, self.max_context, os.getpid()))
 
     def wait_ready(self) -> None:
         """Wait until every worker has started; if they cannot, prepare on the calling
@@ -130,9 +139,11 @@ class Preparer:
         pool = self._pool
         if pool is None:
             return prepare(self.tokenizer, self.max_context, rules, messages)
-        result = self._call(pool, messages, version, None)
+        deadline = time.monotonic() + TIMEOUT_S
+        key = (version, rules.regex_timeout_s)
+        result = self._call(pool, deadline, messages, key, None)
         if isinstance(result, str):  # NEED_RULES: this worker has not seen the version
-            result = self._call(pool, messages, version, (rules.rules, rules.regex_timeout_s))
+            result = self._call(pool, deadline, messages, key, rules.rules)
         if isinstance(result, RequestError):
             raise result
         if isinstance(result, _Failed):
@@ -142,19 +153,25 @@ class Preparer:
             REGEX_TIMEOUTS.labels(rule_id).inc()
         return result
 
-    def _call(self, pool: concurrent.futures.ProcessPoolExecutor, *args: Any) -> Any:
-        if not self._room.acquire(timeout=TIMEOUT_S):
+    def _call(self, pool: concurrent.futures.ProcessPoolExecutor, deadline: float,
+              *args: Any) -> Any:
+        if not self._room.acquire(timeout=max(deadline - time.monotonic(), 0)):
             raise _unavailable("the engine's request preparation is saturated; retry")
         try:
             future = pool.submit(_prepare, *args)
-        except RuntimeError:  # closed: the engine is stopping (or the pool was replaced)
+        except BaseException as e:
             self._room.release()
-            raise _unavailable("the engine is not preparing requests now; retry") from None
+            if isinstance(e, BrokenProcessPool):  # a worker died while none was busy
+                self._replace(pool, "a request preparation worker died; workers restarted")
+            elif not isinstance(e, RuntimeError | OSError):  # closed; a worker cannot start
+                raise
+            raise _unavailable("the engine's request preparation failed; retry") from None
         future.add_done_callback(lambda _: self._room.release())
         try:
-            return future.result(TIMEOUT_S)
+            return future.result(max(deadline - time.monotonic(), 0))
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            if future.cancel():  # still queued: the workers are busy, not hung
+                raise _unavailable("the engine is busy preparing requests; retry") from None
             self._replace(pool, "a request preparation ran past its time; workers restarted")
             raise _unavailable("the engine could not prepare the request in time; retry") from None
         except BrokenProcessPool:
@@ -168,9 +185,14 @@ class Preparer:
         with self._lock:
             if self._pool is not broken:
                 return
-            self._pool = self._new_pool()
+            self._pool = fresh = self._new_pool()
         log.error(why)
         _end(broken)
+        try:  # its workers start now, on this (failed) request's thread, not on the next ones
+            for _ in range(self.workers):
+                fresh.submit(_ready)
+        except (RuntimeError, OSError):  # closed meanwhile, or cannot start: the next request says
+            pass
 
     def close(self) -> None:
         with self._lock:
@@ -201,17 +223,20 @@ class _Worker:
     def __init__(self, tokenizer: Any, max_context: int) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
-        self.rules: OrderedDict[str, RuleSet] = OrderedDict()
+        self.rules: OrderedDict[tuple[str, float], RuleSet] = OrderedDict()
 
 
 _worker: _Worker | None = None  # this worker process's tokenizer and rules (set by _start)
 
 
-def _start(tokenizer: Any, max_context: int, parent: int) -> None:
+def _start(tokenizer_class: type, tokenizer_dir: str, max_context: int, parent: int) -> None:
     global _worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
+    # Ctrl-C and a service manager's SIGTERM to the whole group are the engine's to handle;
+    # it ends its workers (or they follow it out).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_without, args=(parent,), daemon=True).start()
-    _worker = _Worker(tokenizer, max_context)
+    _worker = _Worker(tokenizer_class.from_pretrained(tokenizer_dir), max_context)
 
 
 def _exit_without(parent: int) -> None:
@@ -226,18 +251,19 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _prepare(messages: list[Message], version: str,
-             rules: tuple[tuple[Rule, ...], float] | None) -> Prepared | RequestError | _Failed | str:
+def _prepare(messages: list[Message], key: tuple[str, float],
+             rules: tuple[Rule, ...] | None) -> Prepared | RequestError | _Failed | str:
+    """key: the policy version and the regex timeout its rules run under."""
     w = _worker
     assert w is not None
-    if rules is not None and version not in w.rules:
-        w.rules[version] = RuleSet(list(rules[0]), rules[1])
+    if rules is not None and key not in w.rules:
+        w.rules[key] = RuleSet(list(rules), key[1])
         while len(w.rules) > KEPT_VERSIONS:
             w.rules.popitem(last=False)
-    compiled = w.rules.get(version)
+    compiled = w.rules.get(key)
     if compiled is None:
         return NEED_RULES
-    w.rules.move_to_end(version)
+    w.rules.move_to_end(key)
     before = _timeouts()
     try:
         prepared = prepare(w.tokenizer, w.max_context, compiled, messages)

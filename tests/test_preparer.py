@@ -127,6 +127,14 @@ def test_a_dead_worker_fails_only_the_requests_in_flight(tokenizer) -> None:
     for _ in range(3):  # a fresh worker serves the next ones
         assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
     assert pid not in preparer._pool._processes  # type: ignore[union-attr]
+    # A worker that dies idle: the pool is found broken at the next request, and replaced
+    (pid,) = preparer._pool._processes  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+    with pytest.raises(RequestError) as e:
+        preparer.prepare(PROMPTS[1], pack.input, pack.version)
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE
+    assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
     preparer.close()
 
 
