@@ -740,18 +740,22 @@ def _cpu_seconds(processes: dict[str, list[int]]) -> dict[str, float]:
 
 
 def _step_histogram(port: int) -> dict[str, float]:
-    """The engine's own finsieve_decode_step_seconds (cumulative buckets, count, sum)."""
+    """The engine's own finsieve_decode_step_seconds: count, sum, and the cumulative buckets
+    by their bound ("le=0.01")."""
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
         return {}
     out = {}
-    for line in text.splitlines():
-        if line.startswith("finsieve_decode_step_seconds_"):
-            name, value = line.rsplit(" ", 1)
-            out[name.removeprefix("finsieve_decode_step_seconds_")] = float(value)
+    for family in text_string_to_metric_families(text):
+        if family.name == "finsieve_decode_step_seconds":
+            for sample in family.samples:
+                kind = sample.name.removeprefix(family.name + "_")
+                out[f"le={sample.labels['le']}" if kind == "bucket" else kind] = sample.value
     return out
 
 
@@ -761,7 +765,7 @@ def _step_stats(before: dict[str, float], after: dict[str, float]) -> dict:
     count = after.get("count", 0) - before.get("count", 0)
     if count <= 0:
         return {}
-    under_10ms = after.get('bucket{le="0.01"}', 0) - before.get('bucket{le="0.01"}', 0)
+    under_10ms = after.get("le=0.01", 0) - before.get("le=0.01", 0)
     return {"steps": int(count),
             "mean_ms": round(1000 * (after["sum"] - before.get("sum", 0)) / count, 2),
             "over_10ms": round(1 - under_10ms / count, 3)}
