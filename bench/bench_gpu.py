@@ -676,23 +676,26 @@ def phase_serve(args) -> dict:
                 if time_left(args) < 45:
                     result["skipped"] = f"levels from {n} streams rules {name}: no time left"
                     break
-                samples = Path(args.log_dir) / f"py-spy-engine-{n}-{name}.txt"
-                spy = _py_spy(engine.pid, samples, args)
+                samples = {who: Path(args.log_dir) / f"py-spy-{who}-{n}-{name}.txt"
+                           for who in ("engine", "gateway0")}
+                spies = [_py_spy(pid, samples[who], args)
+                         for who, pid in (("engine", engine.pid), ("gateway0", gateways[0].pid))]
                 processes = {"engine": [engine.pid], "preparation workers": _children(engine.pid),
                              "gateways": [g.pid for g in gateways], "valkey": [valkey.process.pid]}
-                cpu, steps = _cpu_seconds(processes), _step_histogram(metrics_port)
+                cpu, steps = _cpu_seconds(processes), _engine_metrics(metrics_port)
                 try:
                     row = grpc_level(target, key, texts, n, args.rounds, args.max_tokens,
                                      args.client_procs, timeout=time_left(args) - 25)
                 except Exception as e:
                     row = {"error": repr(e)[:300], "tokens_per_s": 0, "ttft_p50_ms": 0,
                            "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0}
-                if spy is not None:
+                for spy in filter(None, spies):
                     spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
                     spy.wait(30)
-                    row["py_spy"] = _py_spy_summary(samples)
+                if any(spies):
+                    row["py_spy"] = {who: _py_spy_summary(path) for who, path in samples.items()}
                 row["cpu_s"] = {k: round(v - cpu[k], 2) for k, v in _cpu_seconds(processes).items()}
-                row["engine_steps"] = _step_stats(steps, _step_histogram(metrics_port))
+                row["engine_steps"] = _step_stats(steps, _engine_metrics(metrics_port))
                 row.update(streams=n, rules=name)
                 levels.append(row)
                 print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
@@ -739,9 +742,9 @@ def _cpu_seconds(processes: dict[str, list[int]]) -> dict[str, float]:
     return out
 
 
-def _step_histogram(port: int) -> dict[str, float]:
-    """The engine's own finsieve_decode_step_seconds: count, sum, and the cumulative buckets
-    by their bound ("le=0.01")."""
+def _engine_metrics(port: int) -> dict[str, float]:
+    """The engine's own finsieve_decode_step_seconds (count, sum, and the cumulative buckets
+    by their bound: "le=0.01") and finsieve_engine_loop_seconds by part ("loop:host")."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -756,19 +759,26 @@ def _step_histogram(port: int) -> dict[str, float]:
             for sample in family.samples:
                 kind = sample.name.removeprefix(family.name + "_")
                 out[f"le={sample.labels['le']}" if kind == "bucket" else kind] = sample.value
+        elif family.name == "finsieve_engine_loop_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[f"loop:{sample.labels['part']}"] = sample.value
     return out
 
 
 def _step_stats(before: dict[str, float], after: dict[str, float]) -> dict:
-    """A level's engine steps (its own clock, launch to launch): how many, the mean, and the
-    share longer than 10 ms."""
+    """A level's engine steps (its own clock, launch to launch): how many, the mean, the
+    share longer than 10 ms, and the loop's milliseconds per step by part (device: waiting
+    for the tokens; host: its own work; *_cpu: of those, on its thread's CPU clock)."""
     count = after.get("count", 0) - before.get("count", 0)
     if count <= 0:
         return {}
     under_10ms = after.get("le=0.01", 0) - before.get("le=0.01", 0)
+    loop = {k.removeprefix("loop:"): round(1000 * (v - before.get(k, 0)) / count, 2)
+            for k, v in after.items() if k.startswith("loop:")}
     return {"steps": int(count),
             "mean_ms": round(1000 * (after["sum"] - before.get("sum", 0)) / count, 2),
-            "over_10ms": round(1 - under_10ms / count, 3)}
+            "over_10ms": round(1 - under_10ms / count, 3), "loop_ms_per_step": loop}
 
 
 def _py_spy(pid: int, output: Path, args) -> subprocess.Popen | None:
@@ -1253,7 +1263,7 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--tests-timeout", type=float, default=150)
     ap.add_argument("--py-spy", action="store_true",
-                    help="serve: sample the engine process with py-spy at each level (into --log-dir)")
+                    help="serve: py-spy the engine and one gateway at each level (into --log-dir)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--until", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -47,7 +47,7 @@ from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2
 
 from . import events
-from .events import LATE_REPAIRS, ROLLBACKS, STEP_SECONDS, TOKENS, Outbox
+from .events import LATE_REPAIRS, LOOP_SECONDS, ROLLBACKS, STEP_SECONDS, TOKENS, Outbox
 from .hf_runner import HFRunner
 from .loader import LoadedModel
 from .model import SUPPORTED_ARCHITECTURES, CompactLM
@@ -132,6 +132,9 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self._last_launch = 0.0
         self._counts: list = [0, 0, 0.0]  # steps, tokens, seconds since the last report
+        self._device_wait = [0.0, 0.0]  # this step's wait for the device: wall, CPU seconds
+        self._loop_time = {part: LOOP_SECONDS.labels(part)
+                           for part in ("device", "device_cpu", "host", "host_cpu", "idle")}
         self.failed = threading.Event()
 
     # -- any thread -------------------------------------------------------------------
@@ -172,8 +175,10 @@ class LLMEngine:
         try:
             while not self._stopping:
                 if not self.step():
+                    idle = time.perf_counter()
                     self._wake.wait(STATS_EVERY_S)
                     self._wake.clear()
+                    self._loop_time["idle"].inc(time.perf_counter() - idle)
                 if time.monotonic() >= report:
                     self._report()
                     report = time.monotonic() + STATS_EVERY_S
@@ -193,6 +198,8 @@ class LLMEngine:
     def step(self) -> bool:
         """One scheduling round; returns False when there was nothing to do."""
         out = Outbox()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        self._device_wait = [0.0, 0.0]
         try:
             self._take_inbox(out)
             for seq in self.scheduler.admit():
@@ -208,7 +215,18 @@ class LLMEngine:
             out.deliver()
             events.WAITING.set(len(self.scheduler.waiting))
             events.RUNNING.set(len(self.scheduler.running))
+            self._count_loop_time(wall, cpu)
         return bool(out or self._in_flight or len(self.scheduler))
+
+    def _count_loop_time(self, wall: float, cpu: float) -> None:
+        """A step's wall and CPU time split into its wait for the device and the rest (host):
+        wall well above CPU says the loop waited for the GIL or for a core."""
+        wait_wall, wait_cpu = self._device_wait
+        loop = self._loop_time
+        loop["device"].inc(wait_wall)
+        loop["device_cpu"].inc(wait_cpu)
+        loop["host"].inc(time.perf_counter() - wall - wait_wall)
+        loop["host_cpu"].inc(max(time.thread_time() - cpu - wait_cpu, 0.0))
 
     def _take_inbox(self, out: Outbox) -> None:
         while True:
@@ -268,11 +286,13 @@ class LLMEngine:
 
     def _process(self, flight: _InFlight, out: Outbox) -> None:
         """Act on a finished step's tokens, sequence by sequence."""
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             results = flight.launch.tokens()
         except Exception as e:
             self._step_failed(e, flight.seqs, out)
             return
+        self._device_wait = [time.perf_counter() - wall, time.thread_time() - cpu]
         accepted = self._counts[1]
         for seq, (token, first) in zip(flight.seqs, results, strict=True):
             if seq.status is not Status.RUNNING:

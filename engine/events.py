@@ -29,6 +29,12 @@ LATE_REPAIRS = Counter(
     "Steps of a sequence thrown away because the token they followed was refused a step late "
     "(optimistic decoding: the rules check step N while the device computes step N+1)")
 INTERVENTIONS = Counter("finsieve_interventions", "Policy interventions", ["rule_id", "action"])
+LOOP_SECONDS = Counter(
+    "finsieve_engine_loop_seconds",
+    "Where the engine loop's time goes: device (waiting for a step's tokens), host (its own "
+    "work), idle (nothing to do); device_cpu and host_cpu: the loop thread's CPU clock in the "
+    "first two (a wait for the device spins), the rest of them spent waiting for the GIL or a "
+    "core", ["part"])
 WAITING = Gauge("finsieve_engine_waiting", "Requests waiting for a KV slot")
 RUNNING = Gauge("finsieve_engine_running", "Requests holding a KV slot")
 

@@ -2,7 +2,7 @@
 
 One call per step on the device, whatever the batch holds:
 
-  * every row's ban list becomes one index_put on the float32 logits;
+  * every row's ban list becomes one index_fill on the float32 logits;
   * greedy rows take the argmax; sampled rows take the argmax of logits/T plus Gumbel
     noise (the Gumbel-max trick: an exact draw from softmax(logits/T));
   * the noise of a row is a hash of (the request's seed, the position, the token id),
@@ -127,7 +127,10 @@ def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tenso
     first = x.argmax(-1)
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
     if bans is not None:
-        x[bans[0], bans[1]] = float("-inf")
+        # One fill of flat indices with a scalar: `x[rows, cols] = -inf` moves its value to
+        # the device with a blocking copy, which waits for every step queued before it, and
+        # the engine's host work then no longer overlaps the device's.
+        x.view(-1).index_fill_(0, bans[0] * x.shape[-1] + bans[1], float("-inf"))
     if isinstance(rows, SamplingRows):
         rows = DeviceParams.of(rows, x.device) if rows.sampled else None
     if rows is not None:

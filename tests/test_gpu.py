@@ -237,6 +237,31 @@ def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_pref
     assert _first_choices(eager_logits, replayed[2:])
 
 
+def test_a_step_launches_without_waiting_for_the_device(graphed):
+    """The engine checks step N's tokens while the device computes step N+1: nothing in a
+    launch may wait for the device. Under torch's sync debug mode, which raises at any call
+    that does: decode rows and a prefill chunk, bans, sampled and filtered rows."""
+    from finsieve.engine.model_runner import StepRow
+
+    model, runner = graphed.model, graphed.runner
+    model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
+    rows = [StepRow(0, 30, [7]),
+            StepRow(1, 30, [8], temperature=0.7, top_k=40, top_p=0.9, key=123, bans=[3]),
+            StepRow(2, 0, list(range(100, 150)), bans=[1, 2])]
+    first = runner.launch(rows[:1]).tokens()[0][0]  # (a step again at the same positions
+    rows[0].bans = [5, first, 49151]                # gives the same logits)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launch = runner.launch(rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens = launch.tokens()
+    assert tokens[0] != (first, first)  # the mask steered it
+    for row, (token, _) in zip(rows, tokens, strict=True):
+        assert token >= 0 and token not in row.bans
+
+
 def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):
     """A GEMV the device refuses costs the one-row path, not the graphs or the attention kernel."""
     from finsieve.engine import gemv
