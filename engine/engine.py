@@ -329,18 +329,22 @@ class LLMEngine:
             self._halt(seq, Decision(Verdict.HALT), out)
             return
         bans = seq.bans
-        if bans is None:  # an optimistic row, masked by the base bans only
-            masks = guard.policy.masks
-            if (masks is not None and masks.is_banned(guard.matcher, token, self.token_bytes[token])) \
-                    or token in guard.bans.get(len(guard.tokens), ()):
-                self._redo(seq, wasted=1)  # the exact mask bans it: decode this position again
+        optimistic = bans is None  # its row was masked by the base bans only
+        if optimistic:
+            if token in guard.bans.get(len(guard.tokens), ()):
+                self._redo(seq, wasted=1)  # banned here since it launched: decode it again
                 return
             bans = _base_bans(seq)
-        if seq.attempts == 0 and first != token and _contains(bans, first) \
-                and (stopped := guard.masked(first)):
+        stopped = None
+        if seq.attempts == 0 and first != token and _contains(bans, first):
+            stopped = guard.masked(first)
+        eos = token in self.eos_ids  # (no text: never in a mask)
+        decision = guard.finish() if eos else guard.check(token, exact_mask=optimistic)
+        if decision is None:
+            self._redo(seq, wasted=1)  # the exact mask bans it: decode this position again
+            return
+        if stopped:
             out.add(seq, events.policy(seq, stopped))  # the mask steered it
-        eos = token in self.eos_ids
-        decision = guard.finish() if eos else guard.check(token)
         if decision.verdict is Verdict.RESAMPLE:
             out.add(seq, events.policy(seq, _blocked_here(guard, decision)))
             seq.attempts += 1

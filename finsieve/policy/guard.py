@@ -120,10 +120,20 @@ class Guard:
 
     # -- after sampling -------------------------------------------------------------------
 
-    def check(self, token: int) -> Decision:
-        """Feed a sampled token; decide what happens to it."""
+    def check(self, token: int, exact_mask: bool = False) -> Decision | None:
+        """Feed a sampled token; decide what happens to it. exact_mask: it was sampled under
+        the policy's base bans only (see masks.py): None, and nothing fed, if this position's
+        exact mask bans it. The mask bans only tokens that complete a block literal, so it
+        is asked only when feeding the token completed a block match."""
         before = self.matcher.norm.raw_len
-        found = self.matcher.feed(self._bytes(token))
+        data = self._bytes(token)
+        found = self.matcher.feed(data)
+        if exact_mask and any(m.rule.action == "block" for m in found):
+            self.matcher.rollback(len(self.tokens))
+            masks = self.policy.masks
+            if masks is not None and masks.is_banned(self.matcher, token, data):
+                return None
+            found = self.matcher.feed(data)
         self.tokens.append(token)
         decision = self._decide(found, before, resample_ok=True)
         if decision.verdict is Verdict.RESAMPLE:
