@@ -173,3 +173,44 @@ def test_tables_are_persisted_keyed_by_tokenizer_and_version_and_rebuilt_when_st
     (fp_dir / "tokens.json.gz").write_bytes(b"garbage")
     assert TokenTable.load_or_build(vocab, tmp_path).contrib == tokens.contrib
     assert TokenTable.load_or_build(vocab[:-1], tmp_path).fingerprint != tokens.fingerprint
+
+
+def test_an_optimistic_token_asks_the_exact_mask_only_when_it_completes_a_block_literal(tmp_path):
+    """Guard.check(exact_mask=True), for a token sampled under the base bans only: None, and
+    nothing fed, when the exact mask bans it; the mask is asked only when the token completed
+    a block literal; a block regex is decided as without the flag."""
+    from finsieve.policy.guard import Guard, Verdict, compile_policy
+
+    (tmp_path / "p.yaml").write_text(
+        "rules:\n"
+        "  - {id: promise, description: d, kind: literal, action: block, patterns: [risk free]}\n"
+        "  - {id: ssn, description: d, kind: regex, action: block, max_span: 11,\n"
+        "     patterns: ['\\b\\d{3}-\\d{2}-\\d{4}\\b']}\n")
+    vocab = sentencepiece_vocab()
+    policy = compile_policy(tmp_path, TokenTable.build(vocab), None)[0]
+    assert policy.masks is not None
+    ids = {p: i for i, p in enumerate(vocab)}
+    asked = []
+    is_banned = policy.masks.is_banned
+    policy.masks.is_banned = lambda *a: asked.append(a[1]) or is_banned(*a)  # type: ignore[method-assign]
+
+    guard = Guard(policy, vocab)
+    for word in (b" no", b" risk"):
+        decision = guard.check(ids[word], exact_mask=True)
+        assert decision is not None and decision.verdict is Verdict.ACCEPT
+    assert asked == []
+    tokens, raw = list(guard.tokens), guard.matcher.norm.raw_len
+    free = ids[b" free"]
+    assert guard.check(free, exact_mask=True) is None
+    assert asked == [free]
+    assert (guard.tokens, guard.matcher.norm.raw_len, guard.matcher.tokens) == (tokens, raw, len(tokens))
+    assert guard.check(free).verdict is not Verdict.ACCEPT  # without the flag: decided as a match
+
+    def fed(exact_mask: bool) -> list:
+        g = Guard(policy, vocab)
+        return [g.check(ids[bytes([b])], exact_mask=exact_mask) for b in b" 123-45-6789 "]
+
+    asked.clear()
+    assert [d.verdict for d in fed(True)] == [d.verdict for d in fed(False)]
+    assert Verdict.ACCEPT in {d.verdict for d in fed(True)} != {Verdict.ACCEPT}
+    assert asked == []

@@ -124,11 +124,11 @@ class Guard:
         """Feed a sampled token; decide what happens to it. exact_mask: it was sampled under
         the policy's base bans only (see masks.py): None, and nothing fed, if this position's
         exact mask bans it. The mask bans only tokens that complete a block literal, so it
-        is asked only when feeding the token completed a block match."""
+        is asked only when feeding the token completed one."""
         before = self.matcher.norm.raw_len
         data = self._bytes(token)
         found = self.matcher.feed(data)
-        if exact_mask and any(m.rule.action == "block" for m in found):
+        if exact_mask and any(m.rule.action == "block" and m.rule.kind == "literal" for m in found):
             self.matcher.rollback(len(self.tokens))
             masks = self.policy.masks
             if masks is not None and masks.is_banned(self.matcher, token, data):
