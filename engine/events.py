@@ -65,7 +65,7 @@ def started(seq: Sequence, model: str) -> Event:
 
 
 def delta(seq: Sequence, text: str, tokens: int) -> Event:
-    return Event(request_id=seq.request_id, delta=chat_pb2.Delta(text=text, tokens=tokens))
+    return Event(request_id=seq.request_id, delta={"text": text, "tokens": tokens})  # no copy
 
 
 def policy(seq: Sequence, i: Intervention, scope: str = "output") -> Event:

@@ -78,7 +78,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
-    text: IncrementalText = field(init=False)  # the raw answer, for stop strings
+    text: IncrementalText = field(init=False)  # the raw answer, kept for stop strings only
     released_tokens: int = 0  # output tokens accounted for in deltas sent
     finish_reason: Finish = Finish.NONE
     # Scheduling state. The KV cache holds (or a launched step is writing) the first `kv_len`
@@ -143,9 +143,9 @@ class Sequence:
         if is_eos:
             self.finish_reason = Finish.STOP
             return
-        before = len(self.text.text)
-        self.text.add(token_id)
         if self.sampling.stop:
+            before = len(self.text.text)
+            self.text.add(token_id)
             longest = max(len(s) for s in self.sampling.stop)
             cut = find_stop(self.text.text, self.sampling.stop, max(0, before - longest + 1))
             if cut >= 0:
@@ -159,14 +159,16 @@ class Sequence:
         """Tokens a rewrite put into the answer."""
         for t in forced:
             self.output_ids.append(t)
-            self.text.add(t)
+            if self.sampling.stop:
+                self.text.add(t)
 
     def truncate(self, keep: int) -> None:
         """Roll the answer back to its first `keep` tokens (SAR)."""
         del self.output_ids[keep:]
         self.text = IncrementalText(self.guard.token_bytes)
-        for t in self.output_ids:
-            self.text.add(t)
+        if self.sampling.stop:
+            for t in self.output_ids:
+                self.text.add(t)
         self.finish_reason = Finish.NONE
         self.attempts = 0
 
@@ -174,10 +176,11 @@ class Sequence:
         """The text that became final since the last delta, and the tokens it accounts for."""
         final = self.done
         limit = None
-        if final:
-            limit = len(self.text.text.encode())  # a stop string cut the text here
-        elif held := stop_holdback(self.text.text, self.sampling.stop):
-            limit = self.guard.matcher.norm.decoded_len - len(self.text.text[-held:].encode())
+        if self.sampling.stop:
+            if final:
+                limit = len(self.text.text.encode())  # a stop string may have cut the text here
+            elif held := stop_holdback(self.text.text, self.sampling.stop):
+                limit = self.guard.matcher.norm.decoded_len - len(self.text.text[-held:].encode())
         text = self.guard.release(limit, final=final)
         tokens_now = len(self.output_ids) if final else self.guard.released_tokens
         tokens = tokens_now - self.released_tokens
