@@ -1,0 +1,174 @@
+"""The engine loop's host work per token, without a device.
+
+    .venv/bin/python bench/bench_host.py [--streams 128] [--steps 300] [--baseline REV]
+
+On a GPU at 64 streams and more, the decode loop's own work (scheduling, the rules, the
+release of final text, the events) is what sets the pace with rules on (bench_gpu.py's
+`loop_ms_per_step`). This measures that work alone: the engine with a runner that answers
+each step at once with uniformly random tokens (as bench_gpu's random model samples),
+`--streams` closed-loop streams of 256-token answers, for three policies: none, an empty
+pack (the guard runs, nothing matches), and the default packs plus 10,000 synthetic
+literals (bench_gpu's "rules on"). Each is timed `--repeats` times; the best counts (the
+machine's other work only adds). Request preparation is not counted. `--baseline REV` runs
+the same measurement on another revision (a git worktree) in the same run. Prints a table
+and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER = REPO / ".finsieve/models/SmolLM2-135M-Instruct"
+POLICIES = ("none", "empty pack", "rules on")
+
+
+def measure(args) -> dict[str, float]:
+    """Microseconds of host work per accepted token, per policy (the best of the repeats)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_gpu import phase_model, prompts, rules_dir
+
+    from finsieve.client import chat_request
+    from finsieve.engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
+    from finsieve.engine.loader import load_model
+    from finsieve.engine.model_runner import Launch
+    from finsieve.policy.guard import compile_policy
+    from finsieve.policy.masks import TokenTable
+    from finsieve.serve import settle_heap
+
+    work = Path(args.work)
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        phase_model(SimpleNamespace(model_dir=str(model_dir), tiny=True, tokenizer=str(TOKENIZER)))
+    cpu = torch.device("cpu")
+    engine = LLMEngine(load_model(str(model_dir), work, cpu),
+                       EngineLimits(max_batch=args.streams, max_context=1024, default_max_tokens=256,
+                                    max_waiting=1024, prepare_workers=0), cpu)
+    rng = random.Random(0)
+    vocab = len(engine.token_bytes)
+
+    def launch(rows) -> Launch:
+        order = [i for i, r in enumerate(rows) if r.sample]
+        tokens = []
+        for i in order:
+            banned = set(rows[i].bans)
+            token = rng.randrange(vocab)
+            while token in banned:
+                token = rng.randrange(vocab)
+            tokens.append(token)
+        return Launch(order, torch.tensor([tokens, tokens]))
+
+    engine.runner.launch = launch
+    table = TokenTable.build(engine.token_bytes)
+    empty = work / "empty"
+    empty.mkdir(exist_ok=True)
+    policies = {"none": NO_POLICY, "empty pack": compile_policy(empty, table, None)[0],
+                "rules on": compile_policy(rules_dir(work, str(TOKENIZER)), table, None)[0]}
+    texts = prompts(str(TOKENIZER), 128, True)
+    settle_heap()  # as a serving engine does
+
+    def run(policy) -> float:
+        engine.policy = lambda: policy
+        rng.seed(0)
+        live: dict[int, CollectingSink] = {}
+        prepared = 0.0
+
+        def submit(stream: int, n: int) -> None:
+            nonlocal prepared
+            live[stream] = CollectingSink()
+            t = time.perf_counter()
+            seq = engine.prepare(chat_request(f"r{n}", texts[n % len(texts)], max_tokens=256),
+                                 live[stream])
+            prepared += time.perf_counter() - t
+            engine.submit(seq)
+
+        for s in range(args.streams):
+            submit(s, s)
+        for _ in range(20):  # prefill
+            engine.step()
+        submitted, accepted = args.streams, engine._counts[1]
+        start, prepared = time.perf_counter(), 0.0
+        for _ in range(args.steps):
+            engine.step()
+            for s, sink in list(live.items()):
+                if sink.finished:
+                    submit(s, submitted)
+                    submitted += 1
+        tokens = engine._counts[1] - accepted
+        return 1e6 * (time.perf_counter() - start - prepared) / tokens
+
+    return {name: min(run(policy) for _ in range(args.repeats)) for name, policy in policies.items()}
+
+
+def baseline_tree(rev: str, into: Path) -> Path:
+    """A worktree of `rev` importable as `finsieve` (engine and gateway linked in as the
+    editable install maps them, the protos generated)."""
+    tree = into / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
+                   check=True, capture_output=True)
+    for part in ("engine", "gateway"):
+        (tree / "finsieve" / part).symlink_to(tree / part)
+    protos = sorted(str(p.relative_to(tree)) for p in (tree / "proto/finsieve/v1").glob("*.proto"))
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto", "--python_out=.",
+                    "--grpc_python_out=.", *protos], cwd=tree, check=True)
+    return tree
+
+
+def measure_in(tree: Path, args) -> dict[str, float]:
+    """This script's measurement with `tree`'s finsieve imported first."""
+    cmd = [sys.executable, __file__, "--measure", "--streams", str(args.streams), "--steps",
+           str(args.steps), "--repeats", str(args.repeats), "--work", args.work]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": f"{tree}:{REPO}"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline", help="git revision to measure beside this tree")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "finsieve-bench-host"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/host.json")
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    if args.measure:
+        print(json.dumps(measure(args)))
+        return
+    results = {"this tree": measure(args)}
+    if args.baseline:
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = baseline_tree(args.baseline, Path(tmp))
+            try:
+                results[args.baseline] = measure_in(tree, args)
+            finally:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                               capture_output=True)
+    print(f"\nengine host work, us per token, {args.streams} streams (best of {args.repeats})")
+    print(f"{'':12}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'on / none':>12}")
+    for name, row in results.items():
+        print(f"{name:12}" + "".join(f"{row[p]:12.1f}" for p in POLICIES)
+              + f"{row['rules on'] / row['none']:11.2f}x")
+    if args.baseline:
+        base, ours = results[args.baseline], results["this tree"]
+        print(f"{'ratio':12}" + "".join(f"{ours[p] / base[p]:11.2f}x" for p in POLICIES))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"streams": args.streams, "steps": args.steps,
+                                    "repeats": args.repeats, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
