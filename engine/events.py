@@ -34,7 +34,7 @@ LOOP_SECONDS = Counter(
     "Where the engine loop's time goes: device (waiting for a step's tokens), host (its own "
     "work), idle (nothing to do); device_cpu and host_cpu: the loop thread's CPU clock in the "
     "first two (a wait for the device spins), the rest of them spent waiting for the GIL or a "
-    "core", ["part"])
+    "core. On the CPU the forward runs in the loop's own work (host), not in device", ["part"])
 WAITING = Gauge("finsieve_engine_waiting", "Requests waiting for a KV slot")
 RUNNING = Gauge("finsieve_engine_running", "Requests holding a KV slot")
 
