@@ -132,7 +132,6 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         self._last_launch = 0.0
         self._counts: list = [0, 0, 0.0]  # steps, tokens, seconds since the last report
-        self._device_wait = [0.0, 0.0]  # this step's wait for the device: wall, CPU seconds
         self._loop_time = {part: LOOP_SECONDS.labels(part)
                            for part in ("device", "device_cpu", "host", "host_cpu", "idle")}
         self.failed = threading.Event()
@@ -199,7 +198,7 @@ class LLMEngine:
         """One scheduling round; returns False when there was nothing to do."""
         out = Outbox()
         wall, cpu = time.perf_counter(), time.thread_time()
-        self._device_wait = [0.0, 0.0]
+        waited = (0.0, 0.0)  # for the device: wall and CPU seconds
         try:
             self._take_inbox(out)
             for seq in self.scheduler.admit():
@@ -209,19 +208,19 @@ class LLMEngine:
             rows = self.scheduler.schedule()
             launched = self._launch(rows, out) if rows else None
             if self._in_flight is not None:
-                self._process(self._in_flight, out)
+                waited = self._process(self._in_flight, out)
             self._in_flight = launched
         finally:
             out.deliver()
             events.WAITING.set(len(self.scheduler.waiting))
             events.RUNNING.set(len(self.scheduler.running))
-            self._count_loop_time(wall, cpu)
+            self._count_loop_time(wall, cpu, waited)
         return bool(out or self._in_flight or len(self.scheduler))
 
-    def _count_loop_time(self, wall: float, cpu: float) -> None:
+    def _count_loop_time(self, wall: float, cpu: float, waited: tuple[float, float]) -> None:
         """A step's wall and CPU time split into its wait for the device and the rest (host):
         wall well above CPU says the loop waited for the GIL or for a core."""
-        wait_wall, wait_cpu = self._device_wait
+        wait_wall, wait_cpu = waited
         loop = self._loop_time
         loop["device"].inc(wait_wall)
         loop["device_cpu"].inc(wait_cpu)
@@ -284,15 +283,16 @@ class LLMEngine:
                        s.temperature, s.top_k, s.top_p,
                        0 if s.greedy else noise_key(seq.noise_seed, position), bans)
 
-    def _process(self, flight: _InFlight, out: Outbox) -> None:
-        """Act on a finished step's tokens, sequence by sequence."""
+    def _process(self, flight: _InFlight, out: Outbox) -> tuple[float, float]:
+        """Act on a finished step's tokens, sequence by sequence; returns the wall and CPU
+        seconds it waited for them."""
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             results = flight.launch.tokens()
         except Exception as e:
             self._step_failed(e, flight.seqs, out)
-            return
-        self._device_wait = [time.perf_counter() - wall, time.thread_time() - cpu]
+            return 0.0, 0.0
+        waited = time.perf_counter() - wall, time.thread_time() - cpu
         accepted = self._counts[1]
         for seq, (token, first) in zip(flight.seqs, results, strict=True):
             if seq.status is not Status.RUNNING:
@@ -307,6 +307,7 @@ class LLMEngine:
                 log.exception("request failed in the engine", request_id=seq.request_id)
                 self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
         TOKENS.inc(self._counts[1] - accepted)  # once per step: a metric per token costs
+        return waited
 
     def _step_failed(self, error: Exception, seqs: list[Sequence], out: Outbox) -> None:
         if not self.runner.healthy():

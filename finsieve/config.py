@@ -186,7 +186,7 @@ class Settings:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.prepare_workers > 64:
-            raise ConfigError("FINSIEVE_PREPARE_WORKERS: at most 64 (each is a process)")
+            raise ConfigError(f"{self.env_name('prepare_workers')}: at most 64 (each is a process)")
         if self.key_cache_max <= 0:
             raise ConfigError(f"{self.env_name('key_cache_max')}: must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
