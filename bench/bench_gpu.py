@@ -15,10 +15,10 @@ written to the JSON after every phase, a table printed at the end:
               off and rules on (default packs + 10,000 synthetic literals) at 1/16/64/128
               streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; each
               level twice: every stream started at once, and in the steady state (`steady`:
-              streams out of phase, see run_engine_level); the steady state at 64+ streams
-              without prompt batching (`steady-nb`, the baseline of FINSIEVE_PROMPT_BATCH_TOKENS)
-              and with requests prepared on threads beside the loop (`steady-th`, the
-              baseline of FINSIEVE_PREPARE_WORKERS, which every other row uses as served);
+              streams out of phase, see run_engine_level); at 64+ streams, rules on, the
+              baselines: mixed steps off (`unmixed` and `steady-um`: FINSIEVE_MIXED_TOKENS=0,
+              prefill in forwards of its own) and requests prepared on threads beside the
+              loop (`steady-th`, the baseline of FINSIEVE_PREPARE_WORKERS);
               64 requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
@@ -343,9 +343,11 @@ def phase_inprocess(args) -> dict:
     t0 = time.perf_counter()
     model = load_model(args.model_dir, Path(args.work), device)
     t_load = time.perf_counter() - t0
+    served = Settings.load(env={})
     limits = EngineLimits(max_batch=max(args.levels), max_context=args.max_context,
                           default_max_tokens=args.max_tokens, max_waiting=1024,
-                          prepare_workers=Settings.load(env={}).prepare_workers)  # as served
+                          prepare_workers=served.prepare_workers,  # as served
+                          mixed_tokens=args.mixed_tokens or served.mixed_tokens)
     engine = LLMEngine(model, limits, device)
     t_ready = time.perf_counter() - t0
     result = {"load_s": t_load, "ready_s": t_ready, "graphs_s": engine.runner.startup_s,
@@ -378,16 +380,24 @@ def phase_inprocess(args) -> dict:
                       f"errors {row['errors']}, finishes {row.get('finishes')}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     engine.policy = lambda: policy
-    # The baselines of the prompt batching (every prompt prefilled in the step after it
-    # arrives) and of the preparation workers (requests prepared on threads of this process)
-    batch, engine.scheduler.prompt_batch = engine.scheduler.prompt_batch, 0
-    try:
-        result["steady_unbatched"] = _steady_rows(engine, texts, args, "prompts not batched")
-    finally:
-        engine.scheduler.prompt_batch = batch
+    # The baselines, rules on: mixed steps off (FINSIEVE_MIXED_TOKENS=0: prefill in forwards
+    # of its own, fresh prompts batched while streams decode, as before mixed steps), cold and
+    # steady; requests prepared on threads of this process (FINSIEVE_PREPARE_WORKERS=0)
+    with _mixed_steps_off(engine):
+        result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
+        result["steady_unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off")
+    served_budget = engine.scheduler.mixed_tokens
+    result["mixed_sweep"] = []
+    for budget in [b for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens]:
+        engine.scheduler.mixed_tokens = budget
+        try:
+            for row in _baseline_rows(engine, texts, args, f"mixed steps of {budget} tokens"):
+                result["mixed_sweep"].append({**row, "mixed_tokens": budget})
+        finally:
+            engine.scheduler.mixed_tokens = served_budget
     workers, engine.preparer = engine.preparer, Preparer(engine.tokenizer, engine.max_context, 0)
     try:
-        result["steady_threads"] = _steady_rows(engine, texts, args, "prepared on threads")
+        result["steady_threads"] = _baseline_rows(engine, texts, args, "prepared on threads")
     finally:
         engine.preparer = workers
     if time_left(args) < 30:
@@ -405,17 +415,34 @@ def phase_inprocess(args) -> dict:
     return result
 
 
-def _steady_rows(engine, texts: list[str], args, label: str) -> list[dict]:
-    """The steady state with rules on at 64 streams and more, under a baseline's setting."""
+@contextlib.contextmanager
+def _mixed_steps_off(engine):
+    """The engine as FINSIEVE_MIXED_TOKENS=0 serves (prompt batching then on, its default)."""
+    from finsieve.engine.engine import EngineLimits
+
+    scheduler, runner = engine.scheduler, engine.runner
+    saved = scheduler.mixed_tokens, runner.mixed_rows, scheduler.prompt_batch
+    scheduler.mixed_tokens = runner.mixed_rows = 0
+    scheduler.prompt_batch = EngineLimits.prompt_batch_tokens
+    try:
+        yield
+    finally:
+        scheduler.mixed_tokens, runner.mixed_rows, scheduler.prompt_batch = saved
+
+
+def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = True) -> list[dict]:
+    """Rules on at 64 streams and more (steady, or every stream started at once), under a
+    baseline's setting."""
     rows = []
     for n in [n for n in args.levels if n >= 64]:
         if time_left(args) < 60:
             break
-        row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=True)
+        row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=spread)
         row.update(streams=n, rules="on")
         rows.append(row)
-        print(f"  in-process {n:>3} streams rules on steady, {label}: "
-              f"{row['tokens_per_s']:.0f} tok/s", flush=True)
+        print(f"  in-process {n:>3} streams rules on{' steady' if spread else ''}, {label}: "
+              f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms",
+              flush=True)
     return rows
 
 
@@ -1199,15 +1226,18 @@ def table(r: dict) -> str:
     lines.append(f"{'path':<10} {'streams':>7} {'rules':>5} {'tok/s':>8} {'vs floor':>8} {'vs hf1':>7} "
                  f"{'vs hfB':>7} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>16} {'repairs':>7}")
     for phase, key, path in (("inprocess", "levels", "inprocess"), ("inprocess", "steady", "steady"),
-                             ("inprocess", "steady_unbatched", "steady-nb"),
-                             ("inprocess", "steady_threads", "steady-th"), ("serve", "levels", "serve")):
+                             ("inprocess", "unmixed", "unmixed"),
+                             ("inprocess", "steady_unmixed", "steady-um"),
+                             ("inprocess", "steady_threads", "steady-th"),
+                             ("inprocess", "mixed_sweep", "steady-mix"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
+            label = f"mix-{row['mixed_tokens']}" if "mixed_tokens" in row else path
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None
             itl = (row.get("step_p50_ms"), row.get("step_p99_ms")) if phase == "inprocess" else (
                 row.get("itl_p50_ms"), row.get("itl_p99_ms"))
             lines.append(
-                f"{path:<10} {row['streams']:>7} {row['rules']:>5} {tps:>8.0f} "
+                f"{label:<10} {row['streams']:>7} {row['rules']:>5} {tps:>8.0f} "
                 f"{(f'{tps / per_stream_floor:.0%}' if per_stream_floor and row['streams'] == 1 else ''):>8} "
                 f"{(f'{tps / hf1:.1f}x' if hf1 else ''):>7} {(f'{tps / hfb:.1f}x' if hfb else ''):>7} "
                 f"{row.get('ttft_p50_ms', 0):>8.0f}/{row.get('ttft_p99_ms', 0):<8.0f}"
@@ -1259,6 +1289,11 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--sweeps", nargs="*", default=["attention", "gemv"],
                     help="profile: the tile sweeps to run (attention, gemv)")
+    ap.add_argument("--mixed-tokens", type=int, default=0,
+                    help="in-process: the engine's mixed-step budget (0: the served default)")
+    ap.add_argument("--mixed-sweep", type=int, nargs="*", default=[],
+                    help="in-process: steady rows, rules on, at 64+ streams with these budgets "
+                         "(each at most --mixed-tokens)")
     ap.add_argument("--gateways", type=int, default=4)
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--tests-timeout", type=float, default=150)

@@ -88,15 +88,21 @@ def split_len_for(max_len: int) -> int:
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                      slots: Tensor, lengths: Tensor, split_len: int,
-                     rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                     rope: tuple[Tensor, Tensor] | None = None, shared: bool = False) -> Tensor:
     """q (rows, heads, head_dim), k and v (rows, kv_heads, head_dim): the new token's, written
     at position lengths - 1 of each row's slot; lengths: positions each row attends, its new
     token included. rope: the (positions, head_dim) cos and sin tables when q and k come
     unrotated (the Triton kernel rotates them as it loads them: at 64 rows the two RoPE
     kernels per layer it replaces were 4% of a step). split_len 0: the per-row SDPA path
-    (the CPU's, and CUDA's fallback if Triton fails)."""
+    (the CPU's, and CUDA's fallback if Triton fails).
+
+    shared: rows may share a slot (a prefill chunk fed as rows, one token each, beside the
+    decode rows: a mixed step), so a row attends to keys that other rows bring. Every new
+    key and value is then stored first, by a kernel of its own, and the attention reads
+    them all from the cache."""
     if q.is_cuda and split_len:
-        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len, rope=rope)
+        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len, rope=rope,
+                              shared=shared)
     positions = lengths - 1
     if rope is not None:
         cos, sin = (table[positions][:, None] for table in rope)
@@ -190,7 +196,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                    slots: Tensor, lengths: Tensor, split_len: int, block_n: int = BLOCK_N,
                    warps: int = WARPS, stages: int = STAGES,
-                   rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                   rope: tuple[Tensor, Tensor] | None = None, shared: bool = False) -> Tensor:
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -200,6 +206,14 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
     cos, sin = rope if rope is not None else (q, q)  # unread without ROPE
     assert rope is None or all(t.is_contiguous() and t.shape[-1] == dim for t in rope), \
         "RoPE tables must be (positions, head_dim), contiguous"
+    if shared:
+        _store_kernel[(rows, kv_heads)](
+            k, v, k_cache, v_cache, slots, lengths, cos, sin,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            DIM=dim, ROPE=rope is not None, **overlap,
+        )
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(rows, kv_heads, n_splits)](
@@ -211,7 +225,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         lse.stride(0), lse.stride(1),
         dim ** -0.5,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None,
+        BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None, STORED=shared,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
         num_warps=warps, num_stages=stages, **overlap,
     )
@@ -238,7 +252,7 @@ if triton is not None:
                       scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, ROPE: tl.constexpr,
-                      PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      STORED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # every input may come from the kernel before
             gdc_wait()
             gdc_launch_dependents()
@@ -259,11 +273,8 @@ if triton is not None:
         k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
         v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
         # The new token (position length - 1): from the inputs, and stored by the one
-        # program whose split holds it.
+        # program whose split holds it; or, STORED, already in the cache like the others.
         last = length - 1
-        k_at = Knew + row * skn_row + kv_head * skn_head
-        k_new = tl.load(k_at + d)
-        v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
         if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)
             cos = tl.load(Cos + last * DIM + d).to(tl.float32)
             sin = tl.load(Sin + last * DIM + d).to(tl.float32)
@@ -271,11 +282,16 @@ if triton is not None:
             sin = tl.where(d < DIM // 2, -sin, sin)
             q_swap = tl.load(q_at + swap[None, :], mask=in_group[:, None], other=0.0)
             q = (q.to(tl.float32) * cos[None, :] + q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
-            k_new = (k_new.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin
-                     ).to(k_new.dtype)
-        if (start <= last) & (last < start + SPLIT_LEN):
-            tl.store(k_base + last * sk_pos + d, k_new)
-            tl.store(v_base + last * sv_pos + d, v_new)
+        if not STORED:
+            k_at = Knew + row * skn_row + kv_head * skn_head
+            k_new = tl.load(k_at + d)
+            v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
+            if ROPE:
+                k_new = (k_new.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin
+                         ).to(k_new.dtype)
+            if (start <= last) & (last < start + SPLIT_LEN):
+                tl.store(k_base + last * sk_pos + d, k_new)
+                tl.store(v_base + last * sv_pos + d, v_new)
 
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
@@ -283,10 +299,10 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < end
-            cached = valid & (n != last)
-            is_new = (n == last)[:, None]
+            cached = valid if STORED else valid & (n != last)
             k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None], other=0.0)
-            k = tl.where(is_new, k_new[None, :], k)
+            if not STORED:
+                k = tl.where((n == last)[:, None], k_new[None, :], k)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -294,7 +310,8 @@ if triton is not None:
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, 1)
             v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=cached[:, None], other=0.0)
-            v = tl.where(is_new, v_new[None, :], v)
+            if not STORED:
+                v = tl.where((n == last)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
 
@@ -305,6 +322,33 @@ if triton is not None:
         tl.store(Partial + row * sp_row + heads[:, None] * sp_head + split * sp_split + d[None, :],
                  out, mask=used[:, None])
         tl.store(Lse + row * sl_row + heads * sl_head + split, m + tl.log(total), mask=used)
+
+    @triton.jit
+    def _store_kernel(Knew, Vnew, K, V, Slots, Lengths, Cos, Sin,
+                      skn_row, skn_head, svn_row, svn_head,
+                      sk_slot, sk_head, sk_pos, sv_slot, sv_head, sv_pos,
+                      DIM: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+        """Each row's new key (rotated as _split_kernel rotates it) and value, stored at
+        position length - 1 of its slot."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        last = tl.load(Lengths + row) - 1
+        slot = tl.load(Slots + row).to(tl.int64)
+        d = tl.arange(0, DIM)
+        k_at = Knew + row * skn_row + kv_head * skn_head
+        k = tl.load(k_at + d)
+        if ROPE:
+            cos = tl.load(Cos + last * DIM + d).to(tl.float32)
+            sin = tl.load(Sin + last * DIM + d).to(tl.float32)
+            sin = tl.where(d < DIM // 2, -sin, sin)
+            swap = (d + DIM // 2) % DIM
+            k = (k.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin).to(k.dtype)
+        tl.store(K + slot * sk_slot + kv_head * sk_head + last * sk_pos + d, k)
+        tl.store(V + slot * sv_slot + kv_head * sv_head + last * sv_pos + d,
+                 tl.load(Vnew + row * svn_row + kv_head * svn_head + d))
 
     @triton.jit
     def _merge_kernel(Partial, Lse, Out, Lengths,

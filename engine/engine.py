@@ -77,11 +77,15 @@ class EngineLimits:
     gpu_memory_utilization: float = 0.9
     compile: bool = True  # CUDA only
     cuda_graphs: bool = True  # CUDA only
-    # CUDA only: where a step's chunks share one forward (on the CPU, and for the transformers
-    # fallback, each chunk runs alone and costs its tokens, so waiting would gain nothing)
+    # CUDA only, mixed steps off: where a step's chunks share one forward (on the CPU, and for
+    # the transformers fallback, each chunk runs alone and costs its tokens, so waiting would
+    # gain nothing)
     prompt_batch_tokens: int = 1024
     prompt_wait_steps: int = 16
     prepare_workers: int = 2  # processes that prepare requests (preparer.py); 0: the caller's thread
+    # CUDA only (the compact forward): prompt tokens a step with decode rows feeds as rows of
+    # their forward; 0: off. (On the CPU a prompt's chunks would then depend on the batch.)
+    mixed_tokens: int = 256
 
 
 class EngineFailed(RuntimeError):
@@ -120,10 +124,12 @@ class LLMEngine:
             raise
         self.preparer.wait_ready()
         self.max_batch = self.model.n_slots
-        batching = getattr(self.model, "batch_prefill", False)  # one forward for every chunk
+        mixed = self.runner.mixed_tokens
+        # one forward for every chunk, and prompts beside decode rows not in a mixed step
+        batching = getattr(self.model, "batch_prefill", False) and not mixed
         self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
                                    self.max_context, limits.prompt_batch_tokens if batching else 0,
-                                   limits.prompt_wait_steps)
+                                   limits.prompt_wait_steps, mixed)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self.token_bytes = token_byte_table(self.tokenizer.get_vocab(), special)
         self._inbox: queue.SimpleQueue[Sequence | _Cancel] = queue.SimpleQueue()
@@ -476,7 +482,8 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
             compact.varlen_prefill = varlen and kernels
             compact.gemv = one_row
             runner = ModelRunner(compact, device, graphs,
-                                 limits.prefill_chunk if compact.varlen_prefill else 0)
+                                 limits.prefill_chunk if compact.varlen_prefill else 0,
+                                 limits.mixed_tokens if cuda else 0)
             if cuda:
                 runner.warm_up()
         except Exception as e:  # a compiler or capture failure must not stop the service
@@ -487,7 +494,8 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
                          *(["triton-attention"] if kernels else []),
                          *(["gemv-one-row"] if one_row else []),
                          *(["varlen-prefill"] if compact.varlen_prefill else []),
-                         *(["prefill-graphs"] if runner.prefill_graphs else [])])
+                         *(["prefill-graphs"] if runner.prefill_graphs else []),
+                         *(["mixed-steps"] if runner.mixed_rows else [])])
         return compact, runner, mode
     raise RuntimeError("no runner could be built")
 

@@ -144,9 +144,16 @@ class CompactLM:
     # -- the two entry points ---------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab) logits."""
-        if self.gemv and ids.shape[0] == 1:
+    def decode(self, ids: Tensor, positions: Tensor, slots: Tensor, heads: Tensor | None = None
+               ) -> Tensor:
+        """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab)
+        logits, or only those of the rows `heads`.
+
+        heads given, rows may share a slot: the tokens of prefill chunks, fed as rows beside
+        the decode rows (a mixed step: the weights are read once for both, where a prefill
+        forward of its own read them again), each attending to the keys the rows before it
+        in its chunk bring."""
+        if self.gemv and ids.shape[0] == 1 and heads is None:
             return self._decode_one(ids, positions, slots)
         x = self.embed[ids]
         delta = torch.zeros_like(x)
@@ -157,10 +164,11 @@ class CompactLM:
             x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv,
                                          positions, False)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
-                                    self.split_len, rope)
+                                    self.split_len, rope, shared=heads is not None)
             x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                         layer.w_gate_up, layer.w_down)
-        return self._head(x + delta, self._tiled_linear if self.row_tile else F.linear)
+        x = x + delta if heads is None else x[heads] + delta[heads]
+        return self._head(x, self._tiled_linear if self.row_tile else F.linear)
 
     def _decode_one(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """decode for one row: GEMV kernels, the attention and one cuBLAS call per layer."""

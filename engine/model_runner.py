@@ -66,32 +66,49 @@ class Launch:
 
 class DecodeGraphs:
     """The decode step captured once per batch-size bucket; padding rows write to the
-    cache's scratch slot."""
+    cache's scratch slot. mixed_tokens > 0: the mixed step too (decode rows, then the tokens
+    of prefill chunks as rows; model.decode with heads), per bucket of rows up to max_rows +
+    mixed_tokens, its logits those of at most max_rows rows (the most a step samples)."""
 
-    def __init__(self, model, max_rows: int) -> None:
+    def __init__(self, model, max_rows: int, mixed_tokens: int = 0) -> None:
         self.model = model
         self.buckets = sorted({*(b for b in (1, 2, 4, 8) if b < max_rows),
                                *range(16, max_rows, 16), max_rows})
-        self.inputs = torch.zeros(3, max_rows, dtype=torch.long, device=model.device)
+        most = max_rows + mixed_tokens
+        self.mixed_buckets = sorted({*range(16, min(max_rows, most), 16),
+                                     *range(max_rows, most, 32), most}) if mixed_tokens else []
+        self.max_heads = max_rows
+        self.inputs = torch.zeros(3, most, dtype=torch.long, device=model.device)
         self.inputs[2].fill_(model.cache.scratch)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.heads = torch.zeros(max_rows, dtype=torch.long, device=model.device)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
-    def bucket(self, rows: int) -> int:
-        return next(b for b in self.buckets if b >= rows)
+    def bucket(self, rows: int, mixed: bool = False) -> int:
+        return next(b for b in (self.mixed_buckets if mixed else self.buckets) if b >= rows)
+
+    def head_rows(self, size: int) -> int:
+        """The logits rows of mixed bucket `size`."""
+        return min(size, self.max_heads)
 
     def capture(self) -> None:
-        pool = None
-        for size in reversed(self.buckets):  # largest first: the smaller reuse its memory
-            graph, out = _captured(functools.partial(self.model.decode, *self.inputs[:, :size]), pool)
+        pool = None  # one for both kinds: a step replays one graph, then samples its logits
+        shapes = [(size, False) for size in self.buckets] + [(size, True) for size in self.mixed_buckets]
+        for size, mixed in sorted(shapes, reverse=True):  # largest first: the smaller reuse its memory
+            heads = self.heads[: self.head_rows(size)] if mixed else None
+            forward = functools.partial(self.model.decode, *self.inputs[:, :size], heads)
+            graph, out = _captured(forward, pool)
             pool = graph.pool()
-            self._graphs[size] = (graph, out)
+            self._graphs[size, mixed] = (graph, out)
         torch.cuda.synchronize()
 
-    def run(self, inputs: Tensor, rows: int) -> Tensor:
-        """inputs: (3, bucket) ids, positions, slots, padding included."""
+    def run(self, inputs: Tensor, rows: int, heads: Tensor | None = None) -> Tensor:
+        """inputs: (3, bucket) ids, positions, slots, padding included; heads (mixed): the
+        rows whose logits are wanted, padded to the bucket's head_rows."""
         size = inputs.shape[1]
         self.inputs[:, :size].copy_(inputs)
-        graph, out = self._graphs[size]
+        if heads is not None:
+            self.heads[: heads.numel()].copy_(heads)
+        graph, out = self._graphs[size, heads is not None]
         graph.replay()
         return out[:rows]
 
@@ -210,12 +227,16 @@ class _Staging:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, graphs: bool = False,
-                 prefill_tokens: int = 0) -> None:
+                 prefill_tokens: int = 0, mixed_tokens: int = 0) -> None:
         """graphs: capture the decode step; prefill_tokens > 0: the prefill forward too, in
-        buckets up to that many tokens a step (the scheduler's prefill chunk)."""
+        buckets up to that many tokens a step (the scheduler's prefill chunk); mixed_tokens
+        > 0: a step of decode rows and up to that many prefill tokens runs as one mixed
+        step (the compact model's decode with heads; in graphs where graphs are captured)."""
         self.model = model
         self.device = device
         self.n_slots = model.n_slots
+        self.mixed_tokens = mixed_tokens
+        self.mixed_rows = self.n_slots + mixed_tokens if mixed_tokens else 0
         self._bans = BanIndex()
         self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
@@ -228,7 +249,7 @@ class ModelRunner:
         self.startup_s = 0.0
         if graphs:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(model, self.n_slots)
+            self.graphs = DecodeGraphs(model, self.n_slots, mixed_tokens)
             self.graphs.capture()
             if prefill_tokens:
                 try:
@@ -239,6 +260,7 @@ class ModelRunner:
                     log.warning("prefill not captured in cuda graphs", error=repr(e)[:800])
             self.startup_s = time.perf_counter() - start
             log.info("cuda graphs captured", buckets=self.graphs.buckets,
+                     mixed_buckets=self.graphs.mixed_buckets,
                      prefill_buckets=self.prefill_graphs.buckets if self.prefill_graphs else [],
                      seconds=round(self.startup_s, 1))
 
@@ -254,10 +276,15 @@ class ModelRunner:
                               [r.bans for r in sampled])
         chunks = [(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill]
         chunk_sampled = [rows[i].sample for i in prefill]
+        # Decode rows and a few prefill tokens: one forward, the weights read once for both.
+        mixed = bool(decode and prefill) and \
+            len(decode) + sum(len(toks) for _, _, toks in chunks) <= self.mixed_rows
         graphed = self.prefill_graphs.layout(chunks, chunk_sampled) \
-            if prefill and self.prefill_graphs is not None else None
+            if prefill and not mixed and self.prefill_graphs is not None else None
         # Every integer the step needs goes to the device in one copy.
-        parts = [self._decode_inputs([rows[i] for i in decode])] if decode else []
+        decode_rows = [rows[i] for i in decode]
+        parts = self._decode_inputs(decode_rows, chunks if mixed else [], chunk_sampled) \
+            if decode else []
         flat_bans = self._bans.flat(params.bans) if order else None
         if flat_bans is not None:
             parts.append(flat_bans.reshape(-1))
@@ -268,7 +295,9 @@ class ModelRunner:
         staged = self._staging.put(parts, torch.long) if parts else []
         logits = []
         if decode:
-            logits.append(self._decode([rows[i] for i in decode], staged.pop(0).view(5, -1)))
+            inputs = staged.pop(0).view(5, -1)
+            heads = staged.pop(0) if mixed else None
+            logits.append(self._decode(decode_rows, inputs, heads, len(order) if mixed else len(decode)))
         bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
         device_params = None
         if params.sampled:
@@ -279,7 +308,7 @@ class ModelRunner:
             device_params = DeviceParams(floats[0], floats[1], ints[0], ints[1], params.filtered)
         if graphed is not None:
             logits.append(self.prefill_graphs.run(graphed[0], staged.pop(0), sum(chunk_sampled)))
-        elif prefill:
+        elif prefill and not mixed:
             logits.append(self.model.prefill(chunks, chunk_sampled))
         logits = [x for x in logits if x.shape[0]]
         if not order:
@@ -295,30 +324,42 @@ class ModelRunner:
         done.record()
         return Launch(order, host, done)
 
-    def _decode_inputs(self, rows: list[StepRow]) -> np.ndarray:
-        """(5, bucket): ids, positions, slots, from-previous flag, previous row; padding rows
-        feed token 0 at position 0 of the scratch slot."""
-        n = len(rows)
-        size = self.graphs.bucket(n) if self.graphs else n
+    def _decode_inputs(self, rows: list[StepRow], chunks: list[tuple[int, int, list[int]]],
+                       chunk_sampled: list[bool]) -> list[np.ndarray]:
+        """(5, bucket): ids, positions, slots, from-previous flag, previous row, for the decode
+        rows, then (a mixed step) each chunk's tokens as rows; padding rows feed token 0 at
+        position 0 of the scratch slot. A mixed step's heads too: the decode rows and each
+        sampled chunk's last token, padded to the bucket's."""
+        n_decode = len(rows)
+        n = n_decode + sum(len(toks) for _, _, toks in chunks)
+        size = self.graphs.bucket(n, mixed=bool(chunks)) if self.graphs else n
         out = np.zeros((5, size), dtype=np.int64)
-        out[0, :n] = [r.tokens[0] if r.tokens else 0 for r in rows]
-        out[1, :n] = [r.start for r in rows]
-        out[2, :n] = [r.slot for r in rows]
+        out[0, :n_decode] = [r.tokens[0] if r.tokens else 0 for r in rows]
+        out[1, :n_decode] = [r.start for r in rows]
+        out[2, :n_decode] = [r.slot for r in rows]
         if size > n:
             out[2, n:] = self.model.cache.scratch
-        out[3, :n] = [0 if r.tokens else 1 for r in rows]
-        out[4, :n] = [r.prev if not r.tokens else 0 for r in rows]
-        return out.reshape(-1)
+        out[3, :n_decode] = [0 if r.tokens else 1 for r in rows]
+        out[4, :n_decode] = [r.prev if not r.tokens else 0 for r in rows]
+        if not chunks:
+            return [out.reshape(-1)]
+        ids, positions, slots, last = prefill_arrays(chunks, chunk_sampled)
+        out[0, n_decode:n], out[1, n_decode:n], out[2, n_decode:n] = ids, positions, slots
+        heads = np.concatenate([np.arange(n_decode, dtype=np.int64), n_decode + last])
+        width = self.graphs.head_rows(size) if self.graphs else heads.size
+        return [out.reshape(-1), _padded(heads, width, 0)]
 
-    def _decode(self, rows: list[StepRow], inputs: Tensor) -> Tensor:
+    def _decode(self, rows: list[StepRow], inputs: Tensor, heads: Tensor | None,
+                logit_rows: int) -> Tensor:
+        """The decode rows' logits, or a mixed step's (heads): the first `logit_rows`."""
         if any(not r.tokens for r in rows):
             # Optimistic rows: the previous step's sample, on the device. A row that had
             # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
             ahead = self._prev[inputs[4]].clamp(min=0)
             inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
         if self.graphs is not None:
-            return self.graphs.run(inputs[:3], len(rows))
-        return self.model.decode(inputs[0], inputs[1], inputs[2])
+            return self.graphs.run(inputs[:3], logit_rows, heads)
+        return self.model.decode(inputs[0], inputs[1], inputs[2], heads)[:logit_rows]
 
     def warm_up(self) -> None:
         """A prefill and an eager decode on the scratch slot: a kernel the device refuses

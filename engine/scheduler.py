@@ -56,10 +56,11 @@ class Row:
 
 class Scheduler:
     def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_context: int,
-                 prompt_batch: int = 0, prompt_wait_steps: int = 0) -> None:
+                 prompt_batch: int = 0, prompt_wait_steps: int = 0, mixed_tokens: int = 0) -> None:
         self.n_slots = n_slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
+        self.mixed_tokens = mixed_tokens  # 0: prefill beside decode rows in chunks of prefill_chunk
         self.max_context = max_context
         self.prompt_batch = prompt_batch  # 0: a prompt is prefilled in the step after it arrives
         self.prompt_wait_steps = prompt_wait_steps
@@ -138,9 +139,9 @@ class Scheduler:
         return admitted
 
     def schedule(self) -> list[Row]:
-        """The rows of the next step; marks what they will write and sample."""
+        """The rows of the next step, decode rows first; marks what they will write and sample."""
         rows: list[Row] = []
-        budget = self.prefill_chunk
+        fresh: list[Sequence] = []  # the cache lacks more than their last token
         self._steps += 1
         hold = self._hold_prompts()
         for seq in self.running:
@@ -149,17 +150,19 @@ class Scheduler:
                     rows.append(Row(seq, seq.kv_len, [], True))
                     seq.kv_len += 1
                     seq.ahead += 1
-                continue
-            feed = seq.context_len - seq.kv_len
-            if feed == 1:
+            elif seq.context_len - seq.kv_len == 1:
                 rows.append(Row(seq, seq.kv_len, [seq.token_at(seq.kv_len)], True))
                 seq.kv_len += 1
                 seq.ahead += 1
-                continue
-            if hold and seq.kv_len == 0:
-                continue  # a fresh prompt waits for company (see _hold_prompts)
-            n = min(feed, self.prefill_chunk - seq.kv_len % self.prefill_chunk)
-            if n > budget and budget < self.prefill_chunk:
+            elif not (hold and seq.kv_len == 0):  # a fresh prompt may wait for company
+                fresh.append(seq)
+        # Beside decode rows, prefill rides in their forward (a mixed step) in smaller chunks.
+        chunk = self.mixed_tokens if rows and self.mixed_tokens else self.prefill_chunk
+        budget = chunk
+        for seq in fresh:
+            feed = seq.context_len - seq.kv_len
+            n = min(feed, chunk - seq.kv_len % chunk)
+            if n > budget and budget < chunk:
                 continue  # the next step has room for it; one whole chunk always fits
             budget -= n
             last = n == feed

@@ -67,8 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int)
     s.add_argument("--max-waiting", type=int, help="requests waiting for a KV slot (then refused)")
     s.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step")
+    s.add_argument("--mixed-tokens", type=int,
+                   help="CUDA: prompt tokens a step prefills inside the decode forward (0 = off)")
     s.add_argument("--prompt-batch-tokens", type=int,
-                   help="CUDA: fresh prompts wait for this many tokens while streams decode")
+                   help="CUDA, mixed steps off: fresh prompts wait for this many tokens")
     s.add_argument("--prompt-wait-steps", type=int, help="CUDA: ... or this many steps at most")
     s.add_argument("--prepare-workers", type=int,
                    help="processes preparing requests off the engine's GIL (0 = its threads)")

@@ -95,9 +95,13 @@ class Settings:
     prefill_chunk: int = _setting(
         2048, "prompt tokens prefilled per step (chunked prefill): the longest stall a burst of "
         "prompts causes the running streams")
+    mixed_tokens: int = _setting(
+        256, "CUDA: while streams decode, at most this many prompt tokens a step are prefilled "
+        "in the decode forward itself (a mixed step; 0: prefill runs a forward of its own)")
     prompt_batch_tokens: int = _setting(
-        1024, "CUDA: while streams decode, fresh prompts wait until together they fill this many "
-        "tokens (0: never wait) or the oldest has waited FINSIEVE_PROMPT_WAIT_STEPS steps")
+        1024, "CUDA, mixed steps off: while streams decode, fresh prompts wait until together "
+        "they fill this many tokens (0: never wait) or the oldest has waited "
+        "FINSIEVE_PROMPT_WAIT_STEPS steps")
     prompt_wait_steps: int = _setting(
         16, "CUDA: the most decode steps a fresh prompt waits for others (0: never; see "
         "prompt_batch_tokens)")
@@ -181,7 +185,8 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
         for name in ("key_cache_s", "tenant_requests_per_s", "tenant_tokens_per_min",
-                     "tenant_concurrent_streams", "prompt_batch_tokens", "prompt_wait_steps",
+                     "tenant_concurrent_streams", "mixed_tokens", "prompt_batch_tokens",
+                     "prompt_wait_steps",
                      "prepare_workers"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")

@@ -152,6 +152,20 @@ def test_a_rewrite_is_never_held_and_fresh_prompts_join_it():
     assert _step(s) == [("rewritten", 3), ("fresh", 5)]
 
 
+def test_beside_decode_rows_prompts_are_fed_in_mixed_chunks():
+    """A step with decode rows takes at most mixed_tokens of prefill (its rows ride in the
+    decode forward), in chunks aligned to that size; a step without any, prefill_chunk."""
+    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000, mixed_tokens=30)
+    s.add(_seq("first", 70))
+    s.admit()
+    assert _step(s) == [("first", 70)]  # nothing decodes: one prefill chunk
+    s.add(_seq("long", 70))
+    s.add(_seq("short", 10))
+    s.admit()
+    assert [_step(s) for _ in range(3)] == [[("first", 1), ("long", 30)], [("first", 1), ("long", 30)],
+                                            [("first", 1), ("long", 10), ("short", 10)]]
+
+
 def test_the_waiting_queue_is_bounded_with_a_retry_hint_and_ids_are_unique():
     s = Scheduler(n_slots=1, max_waiting=2, prefill_chunk=100, max_context=1000)
     s.add(_seq("a", 5))
@@ -234,6 +248,42 @@ def test_a_temperature_of_1e_45_fails_nothing_else_in_the_batch(engine):
         assert text_of(events), rid
     greedy = _run(engine, [chat_request("g", "Say hello.", max_tokens=8)])["g"]
     assert text_of(out["tiny"]) == text_of(greedy)  # a temperature that small is greedy
+
+
+def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(engine, monkeypatch):
+    """The engine with mixed steps (on the CPU only for this test: there they would make a
+    prompt's chunks depend on the batch): prompts that arrive while another stream decodes
+    ride in its decode forward, and every greedy answer is the one prefill forwards give."""
+    from finsieve.engine.model_runner import ModelRunner
+
+    questions = ["What is a bond?", "Explain what a stock split does to a share's price.",
+                 "Why do banks pay interest on savings?"]
+    prefills = []
+    prefill = engine.model.prefill
+    monkeypatch.setattr(engine.model, "prefill", lambda *a: prefills.append(1) or prefill(*a))
+
+    def answers() -> list[str]:
+        sinks = [CollectingSink() for _ in questions]
+        for i, (q, sink) in enumerate(zip(questions, sinks, strict=True)):
+            engine.submit(engine.prepare(chat_request(f"m{i}", q, max_tokens=12), sink))
+            for _ in range(3):  # the next prompt arrives while this one decodes
+                engine.step()
+        while not all(s.finished for s in sinks):
+            engine.step()
+        return [text_of(s.events) for s in sinks]
+
+    apart = answers()
+    assert len(prefills) == 3
+    runner, chunk = engine.runner, engine.scheduler.mixed_tokens
+    engine.runner = ModelRunner(engine.model, engine.device, mixed_tokens=16)
+    engine.scheduler.mixed_tokens = 16
+    try:
+        prefills.clear()
+        mixed = answers()
+    finally:
+        engine.runner, engine.scheduler.mixed_tokens = runner, chunk
+    assert len(prefills) == 1  # the first prompt alone; the others in 16-token mixed chunks
+    assert mixed == apart and all(apart)
 
 
 def test_an_exception_in_one_sequence_fails_that_sequence_alone(engine, monkeypatch):

@@ -104,6 +104,39 @@ def test_triton_decode_attention_matches_sdpa():
                 assert torch.equal(new_k, ref_k)  # nothing else written
 
 
+def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
+    """A mixed step's rows: the tokens of prefill chunks, each attending to the ones before
+    it in its slot, beside decode rows. Every new key (rotated) and value is stored first,
+    at its row's position and nowhere else; the attention is the per-row path's."""
+    from finsieve.engine.attention import _triton_decode, decode_attention, split_len_for
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 28, 4, 128
+    angles = torch.rand(1024, dim // 2, device="cuda") * 6.3
+    # decode rows in slots 3 and 5; a fresh chunk of 10 in slot 0, one continuing at 200 in slot 1
+    slots = torch.tensor([3, 5, *[0] * 10, *[1] * 40], device="cuda")
+    lengths = torch.tensor([300, 1024, *range(1, 11), *range(201, 241)], device="cuda")
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        rope = [torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin)]
+        k_cache = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        qkv = torch.randn(slots.numel(), (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+        q, k, v = qkv.view(slots.numel(), -1, dim).split([heads, kv_heads, kv_heads], 1)
+        ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
+        ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k, ref_v,
+                               slots.cpu(), lengths.cpu(), 0, [t.float().cpu() for t in rope])
+        out = _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len_for(1024),
+                             rope=rope, shared=True)
+        assert _relative_error(out.cpu(), ref) < tolerance, dtype
+        new_k, new_v = k_cache.float().cpu(), v_cache.float().cpu()
+        written = (slots.cpu(), slice(None), lengths.cpu() - 1)
+        assert _relative_error(new_k[written], ref_k[written]) < tolerance / 2
+        assert torch.equal(new_v[written], ref_v[written])
+        for cache in (new_k, ref_k):
+            cache[written] = 0
+        assert torch.equal(new_k, ref_k)  # nothing else written
+
+
 def test_varlen_prefill_matches_sdpa_per_chunk():
     """One FlashAttention call for chunks of several slots, fresh and continued, attends like
     one SDPA per chunk (causal aligned to each chunk's last key, GQA)."""
@@ -209,12 +242,13 @@ def _first_choices(logits: torch.Tensor, tokens: list[int], within: float = 0.05
     return bool((picked >= rows.max(-1).values - within).all())
 
 
-def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_prefill(graphed):
-    """Through the runner's launch (one staging copy for both kinds of rows, the decode graph,
-    then the prefill graph, one batched sample): the tokens of the eager prefill."""
+def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_prefill(graphed, monkeypatch):
+    """Mixed steps off, through the runner's launch (one staging copy for both kinds of rows,
+    the decode graph, then the prefill graph, one batched sample): the eager prefill's tokens."""
     from finsieve.engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
+    monkeypatch.setattr(runner, "mixed_rows", 0)
     model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
     chunks = [(2, 0, list(range(100, 150))), (3, 0, list(range(200, 240)))]
     eager_logits = model.prefill(chunks, [True, True]).clone()
@@ -237,13 +271,17 @@ def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_pref
     assert _first_choices(eager_logits, replayed[2:])
 
 
-def test_a_step_launches_without_waiting_for_the_device(graphed):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_step_launches_without_waiting_for_the_device(graphed, monkeypatch, mixed):
     """The engine checks step N's tokens while the device computes step N+1: nothing in a
     launch may wait for the device. Under torch's sync debug mode, which raises at any call
-    that does: decode rows and a prefill chunk, bans, sampled and filtered rows."""
+    that does: decode rows and a prefill chunk (a mixed step, or the prefill graph beside
+    the decode graph), bans, sampled and filtered rows."""
     from finsieve.engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
+    if not mixed:
+        monkeypatch.setattr(runner, "mixed_rows", 0)
     model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
     rows = [StepRow(0, 30, [7]),
             StepRow(1, 30, [8], temperature=0.7, top_k=40, top_p=0.9, key=123, bans=[3]),
@@ -262,6 +300,39 @@ def test_a_step_launches_without_waiting_for_the_device(graphed):
         assert token >= 0 and token not in row.bans
 
 
+def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefill_apart(
+        graphed, monkeypatch):
+    """Decode rows and a prefill chunk in one forward: its graph replays the eager mixed step
+    bit for bit, and the runner (which then runs no prefill forward) samples the tokens that
+    the decode step and the eager prefill give apart, within bf16's noise."""
+    from finsieve.engine.model_runner import StepRow
+
+    model, runner = graphed.model, graphed.runner
+    graphs = runner.graphs
+    assert graphs is not None and 48 in graphs.mixed_buckets, graphed.mode
+    model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
+    chunk = list(range(100, 146))  # 2 decode rows + 46 tokens: bucket 48
+    apart = torch.cat([model.decode(*_inputs(2, [30, 30])),
+                       model.prefill([(2, 0, chunk)], [True])]).clone()
+    rows = [StepRow(0, 30, [100]), StepRow(1, 30, [101]), StepRow(2, 0, chunk)]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a mixed step ran a prefill forward")
+
+    monkeypatch.setattr(model, "prefill", refused)
+    tokens = [token for token, _ in runner.launch(rows).tokens()]
+    assert _first_choices(apart, tokens)
+    ids = torch.tensor([100, 101, *chunk], device="cuda")
+    positions = torch.tensor([30, 30, *range(46)], device="cuda")
+    slots = torch.tensor([0, 1, *[2] * 46], device="cuda")
+    heads = torch.zeros(graphs.head_rows(48), dtype=torch.long, device="cuda")
+    heads[:3] = torch.tensor([0, 1, 47])
+    eager = model.decode(ids, positions, slots, heads)[:3].clone()
+    replayed = graphs.run(torch.stack([ids, positions, slots]), 3, heads).clone()
+    assert torch.equal(eager, replayed)
+    assert _first_choices(apart, eager.argmax(-1).tolist())
+
+
 def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):
     """A GEMV the device refuses costs the one-row path, not the graphs or the attention kernel."""
     from finsieve.engine import gemv
@@ -271,7 +342,8 @@ def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monk
 
     monkeypatch.setattr(gemv, "norm_qkv_rope", refused)
     engine = _engine(random_llama, torch.bfloat16, max_batch=4, compile=False)
-    assert engine.mode == "eager+cuda-graphs+triton-attention+varlen-prefill+prefill-graphs", engine.mode
+    assert engine.mode == ("eager+cuda-graphs+triton-attention+varlen-prefill+prefill-graphs"
+                           "+mixed-steps"), engine.mode
     assert engine.generate(chat_request("t", "What is a bond?", max_tokens=4))[-1].HasField("finished")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -74,6 +75,57 @@ def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
     last = [model.prefill([c], [i == len(chunks) - 1]) for i, c in enumerate(chunks)][-1]
     torch.testing.assert_close(last, whole, atol=1e-4, rtol=1e-4)
     assert int(last.argmax()) == int(whole.argmax())
+
+
+def _mixed_step(engine) -> tuple[list, list, list]:
+    """Two decode rows (slots 0, 1), a fresh chunk (slot 2, sampled), a chunk continuing a
+    prefix (slot 3, sampled) and one that does not end its prompt (slot 4): StepRow fields."""
+    tok = engine.tokenizer
+    a, b = tok("The bank said").input_ids, tok("Interest rates rose").input_ids
+    c = tok("A bond ladder spreads maturities over several years").input_ids
+    d, e = tok("What is an index fund?").input_ids, tok("Dividends are paid").input_ids
+    engine.model.prefill([(0, 0, a), (1, 0, b), (3, 0, c[:5])], [False] * 3)
+    decode = [(0, len(a), [42]), (1, len(b), [7])]
+    chunks = [(2, 0, d), (3, 5, c[5:]), (4, 0, e)]
+    return decode, chunks, [True, True, False]
+
+
+def test_a_mixed_step_gives_the_logits_of_decode_rows_and_prefill_apart(engine):
+    """Prefill chunks fed as rows of the decode forward, beside decode rows (a mixed step):
+    each chunk's tokens attend to its slot's prefix and to each other, causally."""
+    model = engine.model
+    decode, chunks, sample = _mixed_step(engine)
+    tokens, positions, slots = zip(*[(toks[0], start, slot) for slot, start, toks in decode], strict=True)
+    apart = torch.cat([_decode(model, list(tokens), list(positions), list(slots)),
+                       model.prefill(chunks, sample)])
+    cache = [c.clone() for c in (*model.cache.k, *model.cache.v)]
+    rows = [(t, p + i, s) for s, p, toks in decode + chunks for i, t in enumerate(toks)]
+    ids, positions, slots = (torch.tensor(x) for x in zip(*rows, strict=True))
+    ends = np.cumsum([len(toks) for _, _, toks in chunks]) + len(decode) - 1
+    heads = torch.tensor([0, 1, *ends[np.asarray(sample)]])
+    mixed = model.decode(ids, positions, slots, heads)
+    torch.testing.assert_close(mixed, apart, atol=1e-4, rtol=1e-4)
+    assert mixed.argmax(-1).tolist() == apart.argmax(-1).tolist()
+    for now, then in zip((*model.cache.k, *model.cache.v), cache, strict=True):
+        torch.testing.assert_close(now, then, atol=1e-4, rtol=1e-4)
+
+
+def test_the_runner_samples_a_mixed_step_as_decode_and_prefill_apart(engine, monkeypatch):
+    """Through ModelRunner.launch: one forward (the prefill entry point is never called)."""
+    from finsieve.engine.model_runner import ModelRunner, StepRow
+
+    decode, chunks, sample = _mixed_step(engine)
+    rows = [StepRow(slot, start, toks, sample=s)
+            for (slot, start, toks), s in zip(decode + chunks, [True, True, *sample], strict=True)]
+    apart = engine.runner.launch(rows).tokens()
+    mixed_runner = ModelRunner(engine.model, torch.device("cpu"), mixed_tokens=64)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a mixed step ran a prefill forward")
+
+    monkeypatch.setattr(engine.model, "prefill", refused)
+    assert mixed_runner.launch(rows).tokens() == apart
+    assert len(apart) == 4
 
 
 def test_varlen_keys_are_each_chunks_slot_prefix():
