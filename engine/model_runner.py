@@ -359,6 +359,8 @@ class ModelRunner:
             inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
         if self.graphs is not None:
             return self.graphs.run(inputs[:3], logit_rows, heads)
+        if heads is None:
+            return self.model.decode(inputs[0], inputs[1], inputs[2])
         return self.model.decode(inputs[0], inputs[1], inputs[2], heads)[:logit_rows]
 
     def warm_up(self) -> None:
