@@ -21,6 +21,15 @@ prompt, ~25 us in a step of 2,048 tokens), and every prefill step holds the runn
 back for its length. (Before the prefill ran in CUDA graphs, issuing one cost the host ~20 ms
 whatever its size, and prompts prefilled one a step cost a third of the throughput.)
 
+Mixed steps (`mixed_tokens`, CUDA): a step with decode rows feeds prefill chunks of at most
+`mixed_tokens` as rows of the decode forward (Sarathi-Serve's piggybacking, as vLLM and
+SGLang batch chunked prefill with decodes): decoding reads every weight once a step for a
+few dozen rows, and a prefill forward of its own read them all again. Prompt batching is then
+off. A burst of prompts (`prefill_chunk` tokens or more waiting) still gets big prefill steps:
+its last prompt, and so the burst's answers, start sooner than in chunks beside the decode
+rows, which cost a decode step each. On the CPU mixed steps stay off: a prompt's chunks would
+then depend on what else runs, and the CPU promises batch invariance.
+
 A rollback (SAR), resample or rewrite is not special work: the sequence's tokens change and
 `Sequence.redo` sets its KV length back; the next `schedule` feeds what the cache lacks.
 Cancel and finish free the slot at once. Requests are indexed by (sink, request id), so a
@@ -156,8 +165,11 @@ class Scheduler:
                 seq.ahead += 1
             elif not (hold and seq.kv_len == 0):  # a fresh prompt may wait for company
                 fresh.append(seq)
-        # Beside decode rows, prefill rides in their forward (a mixed step) in smaller chunks.
-        chunk = self.mixed_tokens if rows and self.mixed_tokens else self.prefill_chunk
+        # Beside decode rows, prefill rides in their forward (a mixed step) in smaller chunks;
+        # not a burst of prompts: big prefill steps finish it sooner (see the module's notes).
+        mixed = rows and self.mixed_tokens and \
+            sum(seq.context_len - seq.kv_len for seq in fresh) < self.prefill_chunk
+        chunk = self.mixed_tokens if mixed else self.prefill_chunk
         budget = chunk
         for seq in fresh:
             feed = seq.context_len - seq.kv_len

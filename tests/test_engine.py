@@ -154,8 +154,9 @@ def test_a_rewrite_is_never_held_and_fresh_prompts_join_it():
 
 def test_beside_decode_rows_prompts_are_fed_in_mixed_chunks():
     """A step with decode rows takes at most mixed_tokens of prefill (its rows ride in the
-    decode forward), in chunks aligned to that size; a step without any, prefill_chunk."""
-    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=100, max_context=1000, mixed_tokens=30)
+    decode forward), in chunks aligned to that size; a step without any, or beside a burst
+    of prompts (prefill_chunk tokens waiting), prefill_chunk."""
+    s = Scheduler(n_slots=6, max_waiting=8, prefill_chunk=100, max_context=1000, mixed_tokens=30)
     s.add(_seq("first", 70))
     s.admit()
     assert _step(s) == [("first", 70)]  # nothing decodes: one prefill chunk
@@ -164,6 +165,11 @@ def test_beside_decode_rows_prompts_are_fed_in_mixed_chunks():
     s.admit()
     assert [_step(s) for _ in range(3)] == [[("first", 1), ("long", 30)], [("first", 1), ("long", 30)],
                                             [("first", 1), ("long", 10), ("short", 10)]]
+    for i in range(3):  # a burst: 120 prompt tokens waiting, more than a prefill chunk
+        s.add(_seq(f"burst{i}", 40))
+    s.admit()
+    assert _step(s) == [("first", 1), ("long", 1), ("short", 1), ("burst0", 40), ("burst1", 40)]
+    assert _step(s)[-1] == ("burst2", 30)  # 40 left: mixed again
 
 
 def test_the_waiting_queue_is_bounded_with_a_retry_hint_and_ids_are_unique():
