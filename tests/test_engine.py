@@ -16,9 +16,9 @@ from finsieve.client import chat_request
 from finsieve.engine.engine import NO_POLICY, CollectingSink, LLMEngine
 from finsieve.engine.sampler import SamplingRows, noise_key, sample
 from finsieve.engine.scheduler import Scheduler
-from finsieve.engine.sequence import Sampling, Sequence, Status
+from finsieve.engine.sequence import Finish, Sampling, Sequence, Status
 from finsieve.errors import RequestError
-from finsieve.policy.guard import Guard
+from finsieve.policy.guard import Guard, Verdict
 from finsieve.v1 import chat_pb2
 
 from conftest import text_of
@@ -33,6 +33,46 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 def _seq(rid: str, prompt: int, sink: object = "sink", max_tokens: int = 50) -> Sequence:
     sampling = Sampling.safe(max_tokens, 0.0, 1.0, 0, None, ())
     return Sequence(rid, sink, list(range(prompt)), sampling, Guard(NO_POLICY, [b"x"] * 100))
+
+
+# -- stop strings (no torch, no model) --------------------------------------------------
+
+_STOP_BYTES = [b"\xff", b"p", b"ay", b"ok", b"\xe4", b"o", b"k", b"\xe4\xb8", b"\xad", b"x"]
+
+
+def _deltas(tokens: list[int], stop: str) -> tuple[list[str], Sequence]:
+    """Feed tokens as the engine does (guard, sequence, then what may be delivered): the
+    text delivered after each token."""
+    sampling = Sampling.safe(50, 0.0, 1.0, 0, None, (stop,))
+    seq = Sequence("r", "sink", [0], sampling, Guard(NO_POLICY, _STOP_BYTES))
+    deltas = []
+    for t in tokens:
+        assert not seq.done
+        assert seq.guard.check(t).verdict is Verdict.ACCEPT
+        seq.append(t, is_eos=False)
+        if seq.done:
+            seq.guard.finish()
+        delta = seq.take_delta()
+        deltas.append(delta[0] if delta else "")
+    return deltas, seq
+
+
+@pytest.mark.parametrize(
+    ("tokens", "stop", "deltas"),
+    [  # a U+FFFD (1 raw byte, 3 bytes encoded) before the stop string
+     ([0, 1, 2, 3], "ok", ["\ufffd", "p", "ay", ""]),
+     ([0, 1, 2, 5, 6], "ok", ["\ufffd", "p", "ay", "", ""]),  # … split across tokens
+     ([4, 3], "ok", ["", "\ufffd"]),  # right after incomplete UTF-8 that turned out invalid
+     ([4, 5, 6], "ok", ["", "\ufffd", ""]),  # … split: "o" held back meanwhile
+     ([4, 5, 9, 5, 6], "ok", ["", "\ufffd", "ox", "", ""]),  # "o" released once it is not
+     # a stop string with a U+FFFD of its own: held back as a prefix, and cut, in raw bytes
+     ([7, 8, 0, 5, 9, 1, 0, 5, 6], "\ufffdok", ["", "中", "", "", "\ufffdox", "p", "", "", ""]),
+     ([0, 7, 8, 5, 6], "中ok", ["\ufffd", "", "", "", ""])],
+)
+def test_a_stop_string_is_never_delivered(tokens, stop, deltas):
+    delivered, seq = _deltas(tokens, stop)
+    assert seq.finish_reason is Finish.STOP
+    assert delivered == deltas
 
 
 def test_prompts_are_prefilled_in_fixed_chunks_within_the_step_budget():
