@@ -14,7 +14,7 @@ import torch
 
 from finsieve.client import chat_request
 from finsieve.engine.engine import NO_POLICY, CollectingSink, LLMEngine
-from finsieve.engine.sampler import SamplingRows, noise_key, sample
+from finsieve.engine.sampler import BanIndex, SamplingRows, noise_key, sample
 from finsieve.engine.scheduler import Scheduler
 from finsieve.engine.sequence import Finish, Sampling, Sequence, Status
 from finsieve.errors import RequestError
@@ -265,6 +265,20 @@ def test_no_temperature_makes_the_sampler_fail(temperature):
     assert 0 <= tokens[0] < 500 and tokens[0] != 1 and 0 <= tokens[1] < 500 and tokens[2] == -1
     s = Sampling.safe(10, temperature, 1.0, 0, 1, ())
     assert s.greedy == (not (math.isfinite(temperature) and temperature >= 1e-4))
+
+
+def test_a_ban_outside_the_vocabulary_bans_nothing_in_another_row():
+    """The mask fills flat indices row * vocab + id: an id >= vocab (a tokenizer's added
+    token past the model's embedding) would be a token of the next row."""
+    index = BanIndex(vocab=500)
+    flat = index.flat([[3, 500, 507], [], [-1, 499, 1000]])
+    assert flat.tolist() == [[0, 2], [3, 499]]
+    assert index.flat([[500], [600]]) is None  # nothing the model can produce: no mask
+    logits = torch.zeros(3, 500)
+    logits[:, 7] = 1.0  # every row's best token is 7
+    rows = SamplingRows([0.0] * 3, [0] * 3, [1.0] * 3, [0] * 3, [[3, 507], [], [499, 500]])
+    tokens = sample(logits, None, torch.from_numpy(index.flat(rows.bans)))[0].tolist()
+    assert tokens == [7, 7, 7]
 
 
 # -- the engine: one request never hurts the others ------------------------------------
