@@ -237,7 +237,7 @@ class ModelRunner:
         self.n_slots = model.n_slots
         self.mixed_tokens = mixed_tokens
         self.mixed_rows = self.n_slots + mixed_tokens if mixed_tokens else 0
-        self._bans = BanIndex()
+        self._bans = BanIndex(model.vocab_size)  # the logits' width
         self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
         self._cuda = device.type == "cuda"

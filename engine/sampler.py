@@ -29,6 +29,7 @@ from .sequence import MIN_TEMPERATURE
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _FLOAT_MAX = torch.finfo(torch.float32).max
+_NO_BANS = np.empty(0, dtype=np.int64)
 
 
 def noise_key(seed: int, position: int) -> int:
@@ -94,9 +95,16 @@ class DeviceParams:
 
 class BanIndex:
     """Host arrays of ban lists, kept by identity: the rules hand out the same list object for
-    the same matcher state, so a step's mask is one concatenation, not a list walk."""
+    the same matcher state, so a step's mask is one concatenation, not a list walk.
 
-    def __init__(self, capacity: int = 4096) -> None:
+    Only ids in [0, vocab) are kept: the mask is one fill of flat indices row * vocab + id,
+    so an id past the logits' width (a tokenizer's added tokens beyond the model's
+    embedding) would ban a token of the next row, or fail the step in the last one. The
+    model cannot produce such a token, so it needs no ban; filtering here, once per list,
+    keeps the device step free of checks (and of a synchronization)."""
+
+    def __init__(self, vocab: int, capacity: int = 4096) -> None:
+        self._vocab = vocab
         self._arrays: dict[int, tuple[list[int], np.ndarray]] = {}
         self._capacity = capacity
 
@@ -107,17 +115,20 @@ class BanIndex:
         if len(self._arrays) >= self._capacity:
             self._arrays.clear()
         arr = np.asarray(bans, dtype=np.int64)
+        inside = (arr >= 0) & (arr < self._vocab)
+        if not inside.all():
+            arr = arr[inside]
         self._arrays[id(bans)] = (bans, arr)  # the list is kept alive, so its id stays its own
         return arr
 
     def flat(self, bans: list[list[int]]) -> np.ndarray | None:
         """(2, n) row and column indices of every ban of the step, or None."""
-        lengths = [len(b) for b in bans]
+        arrays = [self.array(b) if b else _NO_BANS for b in bans]
+        lengths = [len(a) for a in arrays]
         if not any(lengths):
             return None
-        cols = np.concatenate([self.array(b) for b in bans if b])
         rows = np.repeat(np.arange(len(bans), dtype=np.int64), lengths)
-        return np.stack([rows, cols])
+        return np.stack([rows, np.concatenate(arrays)])
 
 
 def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tensor | None) -> Tensor:

@@ -149,7 +149,7 @@ class Sequence:
             longest = max(len(s) for s in self.sampling.stop)
             cut = find_stop(self.text.text, self.sampling.stop, max(0, before - longest + 1))
             if cut >= 0:
-                self.text.text = self.text.text[:cut]
+                self.text.cut(cut)
                 self.finish_reason = Finish.STOP
                 return
         if len(self.output_ids) >= self.sampling.max_tokens:
@@ -177,10 +177,12 @@ class Sequence:
         final = self.done
         limit = None
         if self.sampling.stop:
+            # Raw byte offsets, as the guard's: not the decoded text's encoded length, which
+            # counts each U+FFFD as 3 bytes whatever it replaced.
             if final:
-                limit = len(self.text.text.encode())  # a stop string may have cut the text here
+                limit = self.text.raw_len  # a stop string may have cut the text here
             elif held := stop_holdback(self.text.text, self.sampling.stop):
-                limit = self.guard.matcher.norm.decoded_len - len(self.text.text[-held:].encode())
+                limit = self.text.raw_offset(len(self.text.text) - held)
         text = self.guard.release(limit, final=final)
         tokens_now = len(self.output_ids) if final else self.guard.released_tokens
         tokens = tokens_now - self.released_tokens

@@ -57,18 +57,70 @@ def token_byte_table(vocab: dict[str, int], special_ids: set[int]) -> list[bytes
 
 
 class IncrementalText:
-    """Text of a growing token sequence; an incomplete UTF-8 character stays pending."""
+    """Text of a growing token sequence; an incomplete UTF-8 character stays pending.
+
+    It also knows where each character starts in the raw bytes, the offsets the guard
+    releases in: a U+FFFD stands for one to three invalid raw bytes, not for its own three
+    UTF-8 bytes, so the text's encoded length is not a raw offset once it holds one.
+    """
 
     def __init__(self, table: list[bytes]) -> None:
         self._table = table
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""  # the decoder's: bytes of a character not yet complete
         self.text = ""
+        self.raw_len = 0  # raw bytes of `text` (pending bytes are not in it)
+        # (index in text, raw size - 3) of each U+FFFD whose raw size is not 3, in order:
+        # the only characters whose UTF-8 form is not their raw bytes.
+        self._odd: list[tuple[int, int]] = []
 
     def add(self, token_id: int) -> str:
         piece = self._table[token_id] if token_id < len(self._table) else b""
         new = self._decoder.decode(piece)
+        pending = self._decoder.getstate()[0]
+        consumed = len(self._pending) + len(piece) - len(pending)
+        if "\ufffd" in new:  # rare: invalid bytes, or a U+FFFD the model wrote
+            base = len(self.text)
+            self._odd += [(base + i, size - 3) for i, size
+                          in replaced((self._pending + piece)[:consumed]) if size != 3]
+        self._pending = pending
+        self.raw_len += consumed
         self.text += new
         return new
+
+    def raw_offset(self, index: int) -> int:
+        """Raw byte offset where character `index` starts; costs the text after it only."""
+        tail = len(self.text[index:].encode())
+        for i, extra in reversed(self._odd):
+            if i < index:
+                break
+            tail += extra
+        return self.raw_len - tail
+
+    def cut(self, index: int) -> None:
+        """The text ends before character `index` (a stop string starts there); nothing is
+        added after this."""
+        self.raw_len = self.raw_offset(index)
+        self.text = self.text[:index]
+        while self._odd and self._odd[-1][0] >= index:
+            self._odd.pop()
+
+
+def replaced(data: bytes) -> list[tuple[int, int]]:
+    """(index in data.decode("utf-8", "replace"), raw size) of each U+FFFD that stands for
+    invalid bytes. The strict decoder's errors are the spans "replace" puts one U+FFFD for,
+    decoding again from each one's end, so these are Python's own sizes."""
+    out: list[tuple[int, int]] = []
+    pos = chars = 0
+    while True:
+        try:
+            data[pos:].decode()
+            return out
+        except UnicodeDecodeError as e:
+            chars += len(data[pos : pos + e.start].decode())
+            out.append((chars, e.end - e.start))
+            chars += 1
+            pos += e.end
 
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:

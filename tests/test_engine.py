@@ -14,11 +14,11 @@ import torch
 
 from finsieve.client import chat_request
 from finsieve.engine.engine import NO_POLICY, CollectingSink, LLMEngine
-from finsieve.engine.sampler import SamplingRows, noise_key, sample
+from finsieve.engine.sampler import BanIndex, SamplingRows, noise_key, sample
 from finsieve.engine.scheduler import Scheduler
-from finsieve.engine.sequence import Sampling, Sequence, Status
+from finsieve.engine.sequence import Finish, Sampling, Sequence, Status
 from finsieve.errors import RequestError
-from finsieve.policy.guard import Guard
+from finsieve.policy.guard import Guard, Verdict
 from finsieve.v1 import chat_pb2
 
 from conftest import text_of
@@ -33,6 +33,46 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 def _seq(rid: str, prompt: int, sink: object = "sink", max_tokens: int = 50) -> Sequence:
     sampling = Sampling.safe(max_tokens, 0.0, 1.0, 0, None, ())
     return Sequence(rid, sink, list(range(prompt)), sampling, Guard(NO_POLICY, [b"x"] * 100))
+
+
+# -- stop strings (no torch, no model) --------------------------------------------------
+
+_STOP_BYTES = [b"\xff", b"p", b"ay", b"ok", b"\xe4", b"o", b"k", b"\xe4\xb8", b"\xad", b"x"]
+
+
+def _deltas(tokens: list[int], stop: str) -> tuple[list[str], Sequence]:
+    """Feed tokens as the engine does (guard, sequence, then what may be delivered): the
+    text delivered after each token."""
+    sampling = Sampling.safe(50, 0.0, 1.0, 0, None, (stop,))
+    seq = Sequence("r", "sink", [0], sampling, Guard(NO_POLICY, _STOP_BYTES))
+    deltas = []
+    for t in tokens:
+        assert not seq.done
+        assert seq.guard.check(t).verdict is Verdict.ACCEPT
+        seq.append(t, is_eos=False)
+        if seq.done:
+            seq.guard.finish()
+        delta = seq.take_delta()
+        deltas.append(delta[0] if delta else "")
+    return deltas, seq
+
+
+@pytest.mark.parametrize(
+    ("tokens", "stop", "deltas"),
+    [  # a U+FFFD (1 raw byte, 3 bytes encoded) before the stop string
+     ([0, 1, 2, 3], "ok", ["\ufffd", "p", "ay", ""]),
+     ([0, 1, 2, 5, 6], "ok", ["\ufffd", "p", "ay", "", ""]),  # … split across tokens
+     ([4, 3], "ok", ["", "\ufffd"]),  # right after incomplete UTF-8 that turned out invalid
+     ([4, 5, 6], "ok", ["", "\ufffd", ""]),  # … split: "o" held back meanwhile
+     ([4, 5, 9, 5, 6], "ok", ["", "\ufffd", "ox", "", ""]),  # "o" released once it is not
+     # a stop string with a U+FFFD of its own: held back as a prefix, and cut, in raw bytes
+     ([7, 8, 0, 5, 9, 1, 0, 5, 6], "\ufffdok", ["", "中", "", "", "\ufffdox", "p", "", "", ""]),
+     ([0, 7, 8, 5, 6], "中ok", ["\ufffd", "", "", "", ""])],
+)
+def test_a_stop_string_is_never_delivered(tokens, stop, deltas):
+    delivered, seq = _deltas(tokens, stop)
+    assert seq.finish_reason is Finish.STOP
+    assert delivered == deltas
 
 
 def test_prompts_are_prefilled_in_fixed_chunks_within_the_step_budget():
@@ -231,6 +271,20 @@ def test_no_temperature_makes_the_sampler_fail(temperature):
     assert 0 <= tokens[0] < 500 and tokens[0] != 1 and 0 <= tokens[1] < 500 and tokens[2] == -1
     s = Sampling.safe(10, temperature, 1.0, 0, 1, ())
     assert s.greedy == (not (math.isfinite(temperature) and temperature >= 1e-4))
+
+
+def test_a_ban_outside_the_vocabulary_bans_nothing_in_another_row():
+    """The mask fills flat indices row * vocab + id: an id >= vocab (a tokenizer's added
+    token past the model's embedding) would be a token of the next row."""
+    index = BanIndex(vocab=500)
+    flat = index.flat([[3, 500, 507], [], [-1, 499, 1000]])
+    assert flat.tolist() == [[0, 2], [3, 499]]
+    assert index.flat([[500], [600]]) is None  # nothing the model can produce: no mask
+    logits = torch.zeros(3, 500)
+    logits[:, 7] = 1.0  # every row's best token is 7
+    rows = SamplingRows([0.0] * 3, [0] * 3, [1.0] * 3, [0] * 3, [[3, 507], [], [499, 500]])
+    tokens = sample(logits, None, torch.from_numpy(index.flat(rows.bans)))[0].tolist()
+    assert tokens == [7, 7, 7]
 
 
 # -- the engine: one request never hurts the others ------------------------------------

@@ -128,6 +128,22 @@ def test_the_runner_samples_a_mixed_step_as_decode_and_prefill_apart(engine, mon
     assert len(apart) == 4
 
 
+def test_a_ban_past_the_models_vocabulary_leaves_the_other_rows_alone(engine):
+    """Bans the tokenizer can name but the model cannot produce (ids >= its vocab size)
+    change nothing: not the next row's token (a flat index past row 0 is row 1's), and
+    the last row's do not fail the step."""
+    from finsieve.engine.model_runner import StepRow
+
+    prompts = [engine.tokenizer(t).input_ids for t in ("The bank said", "Interest rates are")]
+    free = engine.runner.launch([StepRow(s, 0, ids) for s, ids in enumerate(prompts)]).tokens()
+    vocab = engine.model.vocab_size
+    second = free[1][0]  # row 1's greedy token: vocab + second is its flat index
+    rows = [StepRow(0, 0, prompts[0], bans=[vocab + second]), StepRow(1, 0, prompts[1])]
+    assert engine.runner.launch(rows).tokens() == free
+    rows = [StepRow(0, 0, prompts[0]), StepRow(1, 0, prompts[1], bans=[vocab, vocab + 1])]
+    assert engine.runner.launch(rows).tokens() == free
+
+
 def test_varlen_keys_are_each_chunks_slot_prefix():
     """The index the CUDA prefill gathers keys with: each chunk's slot, positions 0 to its end."""
     cache = torch.randn(4, 2, 16, 3)
