@@ -846,6 +846,7 @@ def _py_spy_summary(path: Path, top: int = 30) -> dict:
 
 def _save_logs(logs: list[Path], args) -> None:
     if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         for f in logs:
             shutil.copy(f, Path(args.log_dir) / f.name)
 
