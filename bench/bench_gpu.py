@@ -363,7 +363,7 @@ def phase_inprocess(args) -> dict:
     engine.policy = lambda: NO_POLICY
     run_engine_level(engine, texts, len(texts), 1, 2, burst=True)  # every prompt shape once
     result["graph_replay_ms"] = _graph_replay_ms(engine)
-    settle_heap()  # as `finsieve serve` does once it serves
+    settle_heap()  # as `finsieve serve` does before it serves
     result["levels"], result["steady"] = [], []
     for n in args.levels:
         for name, pol in (("off", NO_POLICY), ("on", policy)):

@@ -102,12 +102,12 @@ async def serve(settings: Settings) -> None:
             log.info("audit and admin services serving", address=f"{settings.audit_host}:{port}")
             rules = _gateway_rules(settings, key, stack)
             engine_tls = tls.engine_channel_credentials(settings) if settings.role == "gateway" else None
+            settle_heap()  # before the port opens: a first request must not wait for it
             gateway, running = await _start_gateway(
                 settings, engine_addresses, EngineCredentials(engine_secret, engine_tls), audit,
                 keys, client, rules, stack)
             servers.append(running)
             await _admin(audit, {"event": "server_start", "role": settings.role})
-            settle_heap()
             watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
             await _until(stop, failed)
             watch.cancel()
@@ -119,7 +119,6 @@ async def serve(settings: Settings) -> None:
             await _admin(audit, {"event": "server_stop", "role": settings.role})
             await anchoring.stop()
         else:
-            settle_heap()
             await _until(stop, failed)
             for s in servers:
                 await s.set_serving(False)
@@ -196,6 +195,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     # Engines trust only gateways: the shared secret, or a client certificate they verified.
     gate = AuthInterceptor(SharedSecret(secret, trust_client_certificates=apart and bool(
         settings.tls_client_ca)), roles_for({ENGINE: GATEWAY_ROLE}))
+    settle_heap()  # before the port opens: ~0.4 s with the GIL held, a first request's wait
     running = await start_server(
         f"{host}:{port}", [service],
         options=server_options(settings, ENGINE_MESSAGE_BYTES, clients=False),
