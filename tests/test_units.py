@@ -93,7 +93,9 @@ def test_settings_from_environment_and_flags():
      ({"FINSIEVE_MAX_CONNECTION_AGE_S": "-1"}, "must not be negative"),
      ({"FINSIEVE_SLOW_READER_GRACE_S": "0"}, "FINSIEVE_SLOW_READER_GRACE_S: must be positive"),
      ({"FINSIEVE_PREPARE_WORKERS": "-1"}, "FINSIEVE_PREPARE_WORKERS: must not be negative"),
-     ({"FINSIEVE_PREPARE_WORKERS": "65"}, "FINSIEVE_PREPARE_WORKERS: at most 64")],
+     ({"FINSIEVE_PREPARE_WORKERS": "65"}, "FINSIEVE_PREPARE_WORKERS: at most 64"),
+     ({"FINSIEVE_MIXED_TOKENS": "-1"}, "FINSIEVE_MIXED_TOKENS: must not be negative"),
+     ({"FINSIEVE_MIXED_TOKENS": "4096"}, "FINSIEVE_MIXED_TOKENS: at most FINSIEVE_PREFILL_CHUNK (2048)")],
 )
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
