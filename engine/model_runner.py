@@ -1,9 +1,11 @@
 """Device state and one step on it: inputs, the forward, the rules' mask, the sample.
 
 `launch` starts a step and returns at once on CUDA: the decode rows run as one CUDA graph
-(captured at start-up per batch-size bucket, over persistent input buffers), prefill
-chunks as one eager forward, then one batched mask and sample over every row, and one
-device-to-host copy of the sampled ids (into pinned memory, two buffers in turn). Nothing
+(captured at start-up per batch-size bucket, over persistent input buffers) and prefill
+chunks as one prefill forward (a graph per token bucket), or both together as one mixed
+step (the chunks' tokens as more rows of the decode graph: the weights read once), then
+one batched mask and sample over every row, and one device-to-host copy of the sampled ids
+(into pinned memory, two buffers in turn). Nothing
 else waits for the device: `Launch.tokens` is the only synchronisation of a step, and the
 engine calls it for step N after launching step N+1.
 
