@@ -13,7 +13,8 @@ of a fixed `split_len` (fixed per cache, never per batch); one program per (row,
 split) computes a partial softmax for the whole group of query heads sharing that kv head,
 and a second kernel merges the splits. The program whose split holds the new position
 stores the new key and value there and uses them from registers, so the cache write costs
-no kernel of its own (two index kernels per layer did before: 4% of a batch-1 step). The
+no kernel of its own (two index kernels per layer did before: 4% of a batch-1 step), except
+in a mixed step, where rows share a slot and a small kernel stores them all first. The
 work of a row depends only on its own length, so a row's result never depends on the rest
 of the batch, and the grid is static, so the kernels are captured in the decode step's CUDA
 graph. flash-attn's `flash_attn_with_kvcache` would do the same job; it is not used because

@@ -464,7 +464,8 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
     row_tile = 8 if not cuda and limits.batch_invariant else 0
     compact = CompactLM(hf, limits.max_batch, max_context, row_tile,
                         own_weights=cuda, memory_fraction=limits.gpu_memory_utilization if cuda else None,
-                        prefill_tokens=limits.prefill_chunk)
+                        prefill_tokens=limits.prefill_chunk,
+                        mixed_tokens=limits.mixed_tokens if cuda else 0)
     if cuda:
         log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
                  gib=round(compact.cache.nbytes / 2**30, 2),
@@ -481,9 +482,11 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
             compact.split_len = split_len if kernels else 0
             compact.varlen_prefill = varlen and kernels
             compact.gemv = one_row
+            # Mixed steps need the attention kernel: the per-row SDPA path would run one
+            # attention per prompt token and layer.
             runner = ModelRunner(compact, device, graphs,
                                  limits.prefill_chunk if compact.varlen_prefill else 0,
-                                 limits.mixed_tokens if cuda else 0)
+                                 limits.mixed_tokens if cuda and kernels else 0)
             if cuda:
                 runner.warm_up()
         except Exception as e:  # a compiler or capture failure must not stop the service

@@ -68,7 +68,7 @@ class Layer:
 class CompactLM:
     def __init__(self, hf_model: torch.nn.Module, n_slots: int, max_len: int, row_tile: int = 0,
                  own_weights: bool = False, memory_fraction: float | None = None,
-                 prefill_tokens: int = 2048) -> None:
+                 prefill_tokens: int = 2048, mixed_tokens: int = 0) -> None:
         cfg = hf_model.config
         inner = hf_model.model
         self.n_heads = cfg.num_attention_heads
@@ -90,7 +90,8 @@ class CompactLM:
         # ...and in one FlashAttention call per layer where it takes the dtype.
         self.varlen_prefill = self.batch_prefill and self.dtype in (torch.bfloat16, torch.float16)
         if memory_fraction is not None and self.device.type == "cuda":
-            n_slots = self._slots_that_fit(n_slots, max_len, memory_fraction, prefill_tokens)
+            n_slots = self._slots_that_fit(n_slots, max_len, memory_fraction, prefill_tokens,
+                                           mixed_tokens)
         self.cache = SlotKVCache(
             len(self.layers), n_slots, self.n_kv_heads, max_len, self.head_dim,
             self.dtype, self.device,
@@ -117,11 +118,13 @@ class CompactLM:
         self._prefill_in, self._prefill_out = parts
         self._decode_in, self._decode_out = self._tiled or parts
 
-    def _slots_that_fit(self, wanted: int, max_len: int, fraction: float, prefill_tokens: int) -> int:
+    def _slots_that_fit(self, wanted: int, max_len: int, fraction: float, prefill_tokens: int,
+                        mixed_tokens: int) -> int:
         """KV slots in `fraction` of the device's memory, less what is used already and a
-        reserve for activations: the decode graphs', and a prefill step's of up to
+        reserve for activations: the decode graphs', a prefill step's of up to
         `prefill_tokens` tokens twice (the prefill graphs' pool keeps the largest bucket's;
-        a step that fits no bucket runs eagerly beside it)."""
+        a step that fits no bucket runs eagerly beside it), and the mixed graphs' (their
+        logits, kept per graph, and the largest bucket's activations)."""
         free, total = torch.cuda.mem_get_info(self.device)
         layer = self.layers[0]
         hidden, rows = layer.wo.shape[0], layer.wqkv.shape[0] + layer.w_gate_up.shape[0] * 3 // 2
@@ -129,6 +132,11 @@ class CompactLM:
         # ...and a layer's gathered keys and values (a bucket's tokens plus a slot's positions)
         per_key = 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
         reserve = 2 * 1024**3 + 2 * (prefill_tokens * per_token + (prefill_tokens + max_len) * per_key)
+        if mixed_tokens:  # each mixed graph keeps its logits; the largest bucket's activations
+            graphs = wanted // 16 + mixed_tokens // 32 + 1
+            splits = self.n_heads * -(-max_len // 64) * (self.head_dim + 1) * 4  # float32 partials
+            reserve += graphs * wanted * self.vocab_size * self.dtype.itemsize
+            reserve += (wanted + mixed_tokens) * (per_token + splits)
         per_slot = SlotKVCache.bytes_per_slot(len(self.layers), self.n_kv_heads, max_len,
                                               self.head_dim, self.dtype)
         budget = fraction * total - (total - free) - reserve

@@ -77,6 +77,8 @@ class DecodeGraphs:
         self.buckets = sorted({*(b for b in (1, 2, 4, 8) if b < max_rows),
                                *range(16, max_rows, 16), max_rows})
         most = max_rows + mixed_tokens
+        # Past max_rows a mixed step is mostly prompt tokens, compute-bound: coarser buckets
+        # (half the graphs) cost its padding rows little.
         self.mixed_buckets = sorted({*range(16, min(max_rows, most), 16),
                                      *range(max_rows, most, 32), most}) if mixed_tokens else []
         self.max_heads = max_rows
@@ -251,8 +253,7 @@ class ModelRunner:
         self.startup_s = 0.0
         if graphs:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(model, self.n_slots, mixed_tokens)
-            self.graphs.capture()
+            self.graphs = self._captured_decode_graphs()
             if prefill_tokens:
                 try:
                     prefill_graphs = PrefillGraphs(model, prefill_tokens)
@@ -265,6 +266,23 @@ class ModelRunner:
                      mixed_buckets=self.graphs.mixed_buckets,
                      prefill_buckets=self.prefill_graphs.buckets if self.prefill_graphs else [],
                      seconds=round(self.startup_s, 1))
+
+    def _captured_decode_graphs(self) -> DecodeGraphs:
+        """The decode graphs, with the mixed steps' where they capture (else mixed steps are
+        off: a failure there must not cost the decode graphs)."""
+        if self.mixed_tokens:
+            try:
+                graphs = DecodeGraphs(self.model, self.n_slots, self.mixed_tokens)
+                graphs.capture()
+                return graphs
+            except Exception as e:  # e.g. out of memory in the largest bucket
+                log.warning("mixed steps not captured in cuda graphs; mixed steps off",
+                            error=repr(e)[:800])
+                self.mixed_tokens = self.mixed_rows = 0
+                torch.cuda.empty_cache()
+        graphs = DecodeGraphs(self.model, self.n_slots)
+        graphs.capture()
+        return graphs
 
     def launch(self, rows: list[StepRow]) -> Launch:
         self._staging.next_step()
@@ -299,7 +317,7 @@ class ModelRunner:
         if decode:
             inputs = staged.pop(0).view(5, -1)
             heads = staged.pop(0) if mixed else None
-            logits.append(self._decode(decode_rows, inputs, heads, len(order) if mixed else len(decode)))
+            logits.append(self._decode(decode_rows, inputs, heads, len(order)))
         bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
         device_params = None
         if params.sampled:
@@ -328,10 +346,11 @@ class ModelRunner:
 
     def _decode_inputs(self, rows: list[StepRow], chunks: list[tuple[int, int, list[int]]],
                        chunk_sampled: list[bool]) -> list[np.ndarray]:
-        """(5, bucket): ids, positions, slots, from-previous flag, previous row, for the decode
-        rows, then (a mixed step) each chunk's tokens as rows; padding rows feed token 0 at
-        position 0 of the scratch slot. A mixed step's heads too: the decode rows and each
-        sampled chunk's last token, padded to the bucket's."""
+        """The decode inputs, (5, bucket) flat: ids, positions, slots, from-previous flag,
+        previous row, for the decode rows, then (a mixed step) each chunk's tokens as rows;
+        padding rows feed token 0 at position 0 of the scratch slot. A mixed step's heads
+        follow as a second array: the decode rows and each sampled chunk's last token (the
+        launch's order), padded to the bucket's."""
         n_decode = len(rows)
         n = n_decode + sum(len(toks) for _, _, toks in chunks)
         size = self.graphs.bucket(n, mixed=bool(chunks)) if self.graphs else n
@@ -352,8 +371,9 @@ class ModelRunner:
         return [out.reshape(-1), _padded(heads, width, 0)]
 
     def _decode(self, rows: list[StepRow], inputs: Tensor, heads: Tensor | None,
-                logit_rows: int) -> Tensor:
-        """The decode rows' logits, or a mixed step's (heads): the first `logit_rows`."""
+                sampled: int) -> Tensor:
+        """The decode rows' logits; a mixed step's (heads) are the step's `sampled` rows'."""
+        logit_rows = len(rows) if heads is None else sampled
         if any(not r.tokens for r in rows):
             # Optimistic rows: the previous step's sample, on the device. A row that had
             # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
@@ -373,6 +393,8 @@ class ModelRunner:
         for rows in (1, 2):  # one row and the batched layers (apart where GEMVs take one row)
             zero = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.model.decode(zero, zero, zero + scratch)
+        if self.mixed_rows:  # rows sharing a slot: the kernel that stores their keys first
+            self.model.decode(zero, torch.arange(2, device=self.device), zero + scratch, zero[:1])
         torch.cuda.synchronize()
 
     def healthy(self) -> bool:

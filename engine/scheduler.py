@@ -21,14 +21,18 @@ prompt, ~25 us in a step of 2,048 tokens), and every prefill step holds the runn
 back for its length. (Before the prefill ran in CUDA graphs, issuing one cost the host ~20 ms
 whatever its size, and prompts prefilled one a step cost a third of the throughput.)
 
-Mixed steps (`mixed_tokens`, CUDA): a step with decode rows feeds prefill chunks of at most
-`mixed_tokens` as rows of the decode forward (Sarathi-Serve's piggybacking, as vLLM and
+Mixed steps (`mixed_tokens`, CUDA): a step with decode rows feeds at most `mixed_tokens`
+prompt tokens as rows of the decode forward (Sarathi-Serve's piggybacking, as vLLM and
 SGLang batch chunked prefill with decodes): decoding reads every weight once a step for a
-few dozen rows, and a prefill forward of its own read them all again. Prompt batching is then
-off. A burst of prompts (`prefill_chunk` tokens or more waiting) still gets big prefill steps:
-its last prompt, and so the burst's answers, start sooner than in chunks beside the decode
-rows, which cost a decode step each. On the CPU mixed steps stay off: a prompt's chunks would
-then depend on what else runs, and the CPU promises batch invariance.
+few dozen rows, and a prefill forward of its own read them all again. Chunks then fill the
+step's budget wherever they end (on a GPU an answer depends on the batch's shapes anyway),
+and prompt batching is off. Two cases still get prefill steps of their own beside the
+decode rows: a burst of prompts (`prefill_chunk` tokens or more waiting), whose last prompt,
+and so the burst's answers, start sooner in big steps than in chunks that each cost a decode
+step; and a prompt longer than MIXED_MAX_POSITION, since a prompt token in a mixed step reads
+its slot's keys on its own (the decode kernel), where a prefill forward's attention reads
+them once per chunk. On the CPU mixed steps stay off: a prompt's chunks would then depend on
+what else runs, and the CPU promises batch invariance.
 
 A rollback (SAR), resample or rewrite is not special work: the sequence's tokens change and
 `Sequence.redo` sets its KV length back; the next `schedule` feeds what the cache lacks.
@@ -47,6 +51,13 @@ import grpc
 from finsieve.errors import RequestError, invalid
 
 from .sequence import Sequence, Sink, Status
+
+# Past this many positions a prompt is prefilled in steps of its own, not in mixed steps. On
+# an H200 a mixed step's 256 prompt tokens at positions below 512 cost 58 us a layer of
+# attention (~6 us a token over 28 layers: one program per token re-reading its prefix);
+# growing with the prefix, at ~1,000 positions that alone would pass (estimated, not
+# measured) the ~25 us a token of a whole 2,048-token prefill step.
+MIXED_MAX_POSITION = 1024
 
 
 @dataclass(frozen=True)
@@ -166,16 +177,22 @@ class Scheduler:
             elif not (hold and seq.kv_len == 0):  # a fresh prompt may wait for company
                 fresh.append(seq)
         # Beside decode rows, prefill rides in their forward (a mixed step) in smaller chunks;
-        # not a burst of prompts: big prefill steps finish it sooner (see the module's notes).
-        mixed = rows and self.mixed_tokens and \
-            sum(seq.context_len - seq.kv_len for seq in fresh) < self.prefill_chunk
+        # not a burst of prompts, nor a long one (see the module's notes).
+        mixed = bool(rows and self.mixed_tokens
+                     and sum(seq.context_len - seq.kv_len for seq in fresh) < self.prefill_chunk
+                     and all(seq.context_len <= MIXED_MAX_POSITION for seq in fresh))
         chunk = self.mixed_tokens if mixed else self.prefill_chunk
         budget = chunk
         for seq in fresh:
             feed = seq.context_len - seq.kv_len
-            n = min(feed, chunk - seq.kv_len % chunk)
-            if n > budget and budget < chunk:
-                continue  # the next step has room for it; one whole chunk always fits
+            if self.mixed_tokens:  # a chunk may end anywhere: the budget is filled
+                n = min(feed, budget)
+                if not n:
+                    break
+            else:
+                n = min(feed, chunk - seq.kv_len % chunk)
+                if n > budget and budget < chunk:
+                    continue  # the next step has room for it; one whole chunk always fits
             budget -= n
             last = n == feed
             rows.append(Row(seq, seq.kv_len, seq.tokens(seq.kv_len, seq.kv_len + n), last))

@@ -192,10 +192,11 @@ class Settings:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.prepare_workers > 64:
             raise ConfigError(f"{self.env_name('prepare_workers')}: at most 64 (each is a process)")
-        if self.mixed_tokens > self.prefill_chunk:
-            # each bucket of rows up to max_batch + mixed_tokens is a CUDA graph captured at start
-            raise ConfigError(f"{self.env_name('mixed_tokens')}: at most "
-                              f"{self.env_name('prefill_chunk')} ({self.prefill_chunk})")
+        if self.mixed_tokens and not 16 <= self.mixed_tokens <= min(2048, self.prefill_chunk):
+            # Each bucket of rows up to max_batch + mixed_tokens is a CUDA graph captured at
+            # start; a budget of a few tokens would feed a prompt a few tokens a step.
+            raise ConfigError(f"{self.env_name('mixed_tokens')}: 0 (off), or from 16 to 2048 and "
+                              f"at most {self.env_name('prefill_chunk')} ({self.prefill_chunk})")
         if self.key_cache_max <= 0:
             raise ConfigError(f"{self.env_name('key_cache_max')}: must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

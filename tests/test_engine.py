@@ -194,8 +194,8 @@ def test_a_rewrite_is_never_held_and_fresh_prompts_join_it():
 
 def test_beside_decode_rows_prompts_are_fed_in_mixed_chunks():
     """A step with decode rows takes at most mixed_tokens of prefill (its rows ride in the
-    decode forward), in chunks aligned to that size; a step without any, or beside a burst
-    of prompts (prefill_chunk tokens waiting), prefill_chunk."""
+    decode forward), chunks filling the budget; a step without any, or beside a burst of
+    prompts (prefill_chunk tokens waiting), up to prefill_chunk."""
     s = Scheduler(n_slots=6, max_waiting=8, prefill_chunk=100, max_context=1000, mixed_tokens=30)
     s.add(_seq("first", 70))
     s.admit()
@@ -208,8 +208,27 @@ def test_beside_decode_rows_prompts_are_fed_in_mixed_chunks():
     for i in range(3):  # a burst: 120 prompt tokens waiting, more than a prefill chunk
         s.add(_seq(f"burst{i}", 40))
     s.admit()
-    assert _step(s) == [("first", 1), ("long", 1), ("short", 1), ("burst0", 40), ("burst1", 40)]
-    assert _step(s)[-1] == ("burst2", 30)  # 40 left: mixed again
+    assert _step(s) == [("first", 1), ("long", 1), ("short", 1), ("burst0", 40), ("burst1", 40),
+                        ("burst2", 20)]
+    assert _step(s)[-1] == ("burst2", 20)  # 20 left: mixed again
+
+
+def test_a_long_prompt_is_prefilled_in_steps_of_its_own_beside_decode_rows():
+    """Past MIXED_MAX_POSITION a prompt's tokens would each re-read a long prefix in a mixed
+    step: its prefill gets steps of up to prefill_chunk, as with mixed steps off."""
+    from finsieve.engine.scheduler import MIXED_MAX_POSITION
+
+    s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=4096, max_context=8192, mixed_tokens=64)
+    s.add(_seq("running", 10))
+    s.admit()
+    _step(s)
+    s.add(_seq("long", MIXED_MAX_POSITION + 1))
+    s.add(_seq("short", 30))
+    s.admit()
+    assert _step(s) == [("running", 1), ("long", MIXED_MAX_POSITION + 1), ("short", 30)]
+    s.add(_seq("alone", MIXED_MAX_POSITION))
+    s.admit()
+    assert _step(s)[-1] == ("alone", 64)
 
 
 def test_the_waiting_queue_is_bounded_with_a_retry_hint_and_ids_are_unique():
@@ -326,23 +345,23 @@ def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(e
         sinks = [CollectingSink() for _ in questions]
         for i, (q, sink) in enumerate(zip(questions, sinks, strict=True)):
             engine.submit(engine.prepare(chat_request(f"m{i}", q, max_tokens=12), sink))
-            for _ in range(3):  # the next prompt arrives while this one decodes
+            for _ in range(3 if i == 0 else 0):  # the others arrive while the first decodes
                 engine.step()
         while not all(s.finished for s in sinks):
             engine.step()
         return [text_of(s.events) for s in sinks]
 
     apart = answers()
-    assert len(prefills) == 3
+    assert len(prefills) == 2  # the first prompt alone, then the other two together
     runner, chunk = engine.runner, engine.scheduler.mixed_tokens
-    engine.runner = ModelRunner(engine.model, engine.device, mixed_tokens=16)
-    engine.scheduler.mixed_tokens = 16
+    engine.runner = ModelRunner(engine.model, engine.device, mixed_tokens=40)
+    engine.scheduler.mixed_tokens = 40
     try:
         prefills.clear()
         mixed = answers()
     finally:
         engine.runner, engine.scheduler.mixed_tokens = runner, chunk
-    assert len(prefills) == 1  # the first prompt alone; the others in 16-token mixed chunks
+    assert len(prefills) == 1  # the first prompt alone; the others in 40-token mixed steps
     assert mixed == apart and all(apart)
 
 

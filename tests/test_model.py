@@ -78,16 +78,17 @@ def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
 
 
 def _mixed_step(engine) -> tuple[list, list, list]:
-    """Two decode rows (slots 0, 1), a fresh chunk (slot 2, sampled), a chunk continuing a
-    prefix (slot 3, sampled) and one that does not end its prompt (slot 4): StepRow fields."""
+    """Two decode rows (slots 0, 1), a fresh chunk (slot 2, sampled), one that does not end
+    its prompt (slot 4, between the sampled ones) and a chunk continuing a prefix (slot 3,
+    sampled): StepRow fields."""
     tok = engine.tokenizer
     a, b = tok("The bank said").input_ids, tok("Interest rates rose").input_ids
     c = tok("A bond ladder spreads maturities over several years").input_ids
     d, e = tok("What is an index fund?").input_ids, tok("Dividends are paid").input_ids
     engine.model.prefill([(0, 0, a), (1, 0, b), (3, 0, c[:5])], [False] * 3)
     decode = [(0, len(a), [42]), (1, len(b), [7])]
-    chunks = [(2, 0, d), (3, 5, c[5:]), (4, 0, e)]
-    return decode, chunks, [True, True, False]
+    chunks = [(2, 0, d), (4, 0, e), (3, 5, c[5:])]
+    return decode, chunks, [True, False, True]
 
 
 def test_a_mixed_step_gives_the_logits_of_decode_rows_and_prefill_apart(engine):

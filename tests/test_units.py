@@ -95,7 +95,10 @@ def test_settings_from_environment_and_flags():
      ({"FINSIEVE_PREPARE_WORKERS": "-1"}, "FINSIEVE_PREPARE_WORKERS: must not be negative"),
      ({"FINSIEVE_PREPARE_WORKERS": "65"}, "FINSIEVE_PREPARE_WORKERS: at most 64"),
      ({"FINSIEVE_MIXED_TOKENS": "-1"}, "FINSIEVE_MIXED_TOKENS: must not be negative"),
-     ({"FINSIEVE_MIXED_TOKENS": "4096"}, "FINSIEVE_MIXED_TOKENS: at most FINSIEVE_PREFILL_CHUNK")],
+     ({"FINSIEVE_MIXED_TOKENS": "8"}, "FINSIEVE_MIXED_TOKENS: 0 .off., or from 16 to 2048"),
+     ({"FINSIEVE_MIXED_TOKENS": "4096", "FINSIEVE_PREFILL_CHUNK": "8192"}, "from 16 to 2048"),
+     ({"FINSIEVE_MIXED_TOKENS": "512", "FINSIEVE_PREFILL_CHUNK": "256"},
+      "at most FINSIEVE_PREFILL_CHUNK")],
 )
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
