@@ -11,6 +11,8 @@ import codecs
 import re
 from functools import cache
 
+from finsieve.policy.utf8 import replaced
+
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SP_SPACE = "\u2581"
 
@@ -104,23 +106,6 @@ class IncrementalText:
         self.text = self.text[:index]
         while self._odd and self._odd[-1][0] >= index:
             self._odd.pop()
-
-
-def replaced(data: bytes) -> list[tuple[int, int]]:
-    """(index in data.decode("utf-8", "replace"), raw size) of each U+FFFD that stands for
-    invalid bytes. The strict decoder's errors are the spans "replace" puts one U+FFFD for,
-    decoding again from each one's end, so these are Python's own sizes."""
-    out: list[tuple[int, int]] = []
-    pos = chars = 0
-    while True:
-        try:
-            data[pos:].decode()
-            return out
-        except UnicodeDecodeError as e:
-            chars += len(data[pos : pos + e.start].decode())
-            out.append((chars, e.end - e.start))
-            chars += 1
-            pos += e.end
 
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int:

@@ -12,10 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from finsieve.policy.guard import Guard, Policy, Verdict
 from finsieve.policy.matcher import StreamMatcher, scan_text
 from finsieve.policy.normalize import Normalizer, fold, normalize
 from finsieve.policy.pack import Pack
 from finsieve.policy.schema import PackError
+from finsieve.policy.utf8 import replaced
 from finsieve.policy.validators import cn_resident_id, iban_mod97, luhn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,6 +76,126 @@ def test_incomplete_utf8_stays_pending():
     n.feed("稳".encode()[2:])
     assert n.text == ["稳"] and n.pending == b""
     assert fold("\u200b") == ""
+
+
+# -- invalid UTF-8: the raw bytes behind each U+FFFD -------------------------------------
+
+
+def _fed(pieces: list[bytes]) -> tuple[Normalizer, bytes]:
+    """A normalizer fed `pieces` one by one, and the raw bytes it decoded."""
+    n = Normalizer()
+    for piece in pieces:
+        n.feed(piece)
+    return n, b"".join(pieces)[: n.decoded_len]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "spans"),
+    [
+        # A stray byte, then a 3-byte character cut short: 1 byte, then 2.
+        ([b"\xff\xe4\xb8A"], [b"\xff", b"\xe4\xb8", b"A"]),
+        # A 4-byte character cut short, split over tokens, then a stray byte.
+        ([b"\xf0\x9f", b"\x98", b"\xffx"], [b"\xf0\x9f\x98", b"\xff", b"x"]),
+        # Overlong '/' (each byte its own U+FFFD), a cut-short character, valid CJK around.
+        ([b"\xe5\xb9", b"\xb4\xc0\xaf\xe4\xb8x\xe4\xb8\xad"],
+         ["年".encode(), b"\xc0", b"\xaf", b"\xe4\xb8", b"x", "中".encode()]),
+        # An encoded surrogate (three U+FFFD), a genuine U+FFFD, a cut-short 4-byte one.
+        ([b"\xed\xa0\x80\xef\xbf\xbd\xf4\x8f\xbfz"],
+         [b"\xed", b"\xa0", b"\x80", b"\xef\xbf\xbd", b"\xf4\x8f\xbf", b"z"]),
+        # A lone lead byte pending from the token before, valid text between invalid bytes.
+        ([b"\xc3", b"ok\xe4\xb8!\x80"], [b"\xc3", b"o", b"k", b"\xe4\xb8", b"!", b"\x80"]),
+    ],
+)
+def test_each_replacement_character_maps_to_the_invalid_bytes_it_stands_for(pieces, spans):
+    """Python's "replace" writes one U+FFFD per maximal invalid subsequence, 1 to 3 bytes:
+    its raw span is those bytes, not a share of all the invalid bytes in the token."""
+    n, data = _fed(pieces)
+    assert [data[s:e] for s, e in zip(n.raw_start, n.raw_end, strict=True)] == spans
+    assert (n.decoded_len, n.pending) == (sum(map(len, spans)), b"")
+
+
+# Bytes that make every kind of invalid UTF-8 (stray continuations, lone and cut-short
+# leads, overlongs, surrogates, past U+10FFFF) and valid characters around them; no
+# whitespace, so each side of a cut normalizes on its own as it does in the whole.
+_UTF8_PIECES = st.lists(st.sampled_from(
+    [bytes([b]) for b in (0x61, 0x80, 0xBF, 0xC0, 0xC3, 0xA9, 0xE0, 0xA0, 0xED, 0xE4, 0xB8,
+                          0xAD, 0xF0, 0x90, 0x8D, 0xF4, 0x8F, 0xF5, 0xFF)]
+    + [b"ok", b"\xef\xbf\xbd", "年".encode(), "😀".encode()]), max_size=12)
+
+
+@settings(max_examples=500, deadline=None)
+@given(pieces=st.lists(_UTF8_PIECES.map(b"".join), max_size=6))
+def test_raw_offsets_cut_the_bytes_where_the_normalized_view_is_cut(pieces):
+    """Holdback, rollback and redaction cut raw bytes at a character's raw offsets: the
+    bytes before each offset must read as the text before it, however the bytes came in
+    tokens."""
+    n, data = _fed(pieces)
+    assert n.decoded_len + len(n.pending) == n.raw_len == sum(map(len, pieces))
+    text = "".join(n.text)
+    assert normalize(data.decode("utf-8", "replace")) == text
+    # Characters from one raw character (a fold into several) share its offsets.
+    for i in range(len(text) + 1):
+        if 0 < i < len(text) and n.raw_start[i] == n.raw_start[i - 1]:
+            continue
+        start = n.raw_start[i] if i < len(text) else n.decoded_len
+        assert normalize(data[:start].decode("utf-8", "replace")) == text[:i]
+        assert normalize(data[start:].decode("utf-8", "replace")) == text[i:]
+        end = n.raw_end[i - 1] if i else 0
+        assert normalize(data[:end].decode("utf-8", "replace")) == text[:i]
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.one_of(st.binary(max_size=24), _UTF8_PIECES.map(b"".join)))
+def test_replacement_sizes_cut_the_bytes_where_the_decoded_text_is_cut(data):
+    """The sizes `replaced` gives (UTF-8 lengths elsewhere) sum to the bytes, and the bytes
+    before each character's offset decode to exactly the text before it."""
+    text = data.decode("utf-8", "replace")
+    sizes = [len(c.encode()) for c in text]
+    for i, size in replaced(data):
+        sizes[i] = size
+    assert sum(sizes) == len(data)
+    offset = 0
+    for i, size in enumerate(sizes):
+        assert data[:offset].decode("utf-8", "replace") == text[:i]
+        assert data[offset:].decode("utf-8", "replace") == text[i:]
+        offset += size
+
+
+def _guard(tmp_path: Path, action: str) -> Guard:
+    """A guard whose one rule acts on the word 'secret'."""
+    extra = "message: m" if action == "halt" else "replacement: '[gone]'"
+    write(tmp_path, "a.yaml", "rules:\n  - id: s\n    description: t\n    kind: literal\n"
+                              f"    patterns: [secret]\n    action: {action}\n    {extra}\n")
+    pack = Pack.load(tmp_path)
+    # The token after a lone lead byte holds valid text between two invalid sequences.
+    return Guard(Policy(pack, None, pack.version), [b"ok ", b"\xc3", b"my secret\xe4\xb8 is out"])
+
+
+def test_a_redaction_after_invalid_bytes_replaces_exactly_its_span(tmp_path):
+    guard = _guard(tmp_path, "redact")
+    assert [guard.check(t).verdict for t in range(3)] == [Verdict.ACCEPT] * 3
+    assert guard.finish().verdict is Verdict.ACCEPT
+    assert guard.release(final=True) == "ok \ufffdmy [gone]\ufffd is out"
+    [event] = guard.events
+    assert (event.start, event.end, event.suppressed) == (7, 13, "secret")
+
+
+def test_a_rewrite_after_invalid_bytes_keeps_exactly_the_text_before_its_span(tmp_path):
+    guard = _guard(tmp_path, "rewrite")
+    assert [guard.check(t).verdict for t in range(2)] == [Verdict.ACCEPT] * 2
+    decision = guard.check(2)
+    assert (decision.verdict, decision.keep) == (Verdict.REWRITE, 1)
+    assert decision.text == "\ufffdmy [gone]"
+    assert guard.rollback(decision).suppressed == "secret"
+
+
+def test_a_halt_after_invalid_bytes_delivers_exactly_the_text_before_its_span(tmp_path):
+    guard = _guard(tmp_path, "halt")
+    assert [guard.check(t).verdict for t in range(2)] == [Verdict.ACCEPT] * 2
+    decision = guard.check(2)
+    assert decision.verdict is Verdict.HALT
+    text, event = guard.halt(decision)
+    assert (text, event.suppressed) == ("ok \ufffdmy ", "secret")
 
 
 # -- the default packs -------------------------------------------------------------------

@@ -36,6 +36,7 @@ import disarm
 import regex
 
 from .scripts import ALNUM, LATIN, script_tag
+from .utf8 import replaced
 
 # Bump when the view changes for the same Unicode data; the data versions are part of it.
 VIEW_VERSION = f"2/unicode-{unicodedata.unidata_version}/confusables-{disarm.CONFUSABLES_VERSION}"
@@ -144,8 +145,9 @@ class Normalizer:
     def feed(self, data: bytes) -> str:
         """Feed raw bytes; return the normalized characters they appended."""
         before = len(self.text)
+        held = self.raw_len - self.decoded_len  # pending bytes of a character begun earlier
         self.raw_len += len(data)
-        plain = plain_join(data, self.mode) if self.raw_len - len(data) == self.decoded_len else None
+        plain = plain_join(data, self.mode) if not held else None
         if plain is not None:
             # Most tokens: one byte per character, nothing to fold but case.
             new, tags = plain
@@ -156,8 +158,9 @@ class Normalizer:
             self.raw_end.extend(range(d + 1, self.decoded_len + 1))
             self.tags += tags
             return new
+        head = self.pending if held else b""
         chars = self._decoder.decode(data)
-        for ch, size in zip(chars, self._raw_sizes(chars), strict=True):
+        for ch, size in zip(chars, self._raw_sizes(chars, head, data), strict=True):
             start = self.decoded_len
             self.decoded_len += size
             folded, tag = fold_tagged(ch)
@@ -197,19 +200,14 @@ class Normalizer:
         self.raw_start.append(start)
         self.raw_end.append(end)
 
-    def _raw_sizes(self, chars: str) -> list[int]:
-        """Raw byte length of each decoded character.
-
-        A U+FFFD may stand for one or more invalid bytes: those share what the valid
-        characters leave of the bytes just decoded.
-        """
+    def _raw_sizes(self, chars: str, head: bytes, data: bytes) -> list[int]:
+        """Raw byte length of each character just decoded from `head` (bytes pending
+        before) + `data`: its UTF-8 length, except a U+FFFD that stands for invalid bytes."""
         sizes = [len(c.encode()) for c in chars]
-        bad = [i for i, c in enumerate(chars) if c == "\ufffd"]
-        if bad:
-            total = self.raw_len - len(self.pending) - self.decoded_len
-            left = total - sum(s for i, s in enumerate(sizes) if chars[i] != "\ufffd")
-            for n, i in enumerate(bad):
-                sizes[i] = left // len(bad) + (left % len(bad) if n == 0 else 0)
+        if "\ufffd" in chars:  # rare: invalid bytes, or a U+FFFD the model wrote
+            consumed = len(head) + len(data) - len(self.pending)
+            for i, size in replaced((head + data)[:consumed]):
+                sizes[i] = size
         return sizes
 
     def truncate(self, raw_len: int, decoded_len: int, pending: bytes, n_norm: int,
