@@ -88,6 +88,12 @@ def load_model(model: str, state_dir: Path, device: torch.device) -> LoadedModel
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not tokenizer.chat_template:
         raise ModelLoadError(f"--model {path}: the tokenizer has no chat template")
+    embedded = hf_model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embedded:
+        # A prompt or a rule's rewrite text holding one of the others would index past the
+        # embedding: on CUDA a device-side assert, which stops the engine for every request.
+        raise ModelLoadError(f"--model {path}: the tokenizer has {len(tokenizer)} tokens and the "
+                             f"model's embedding {embedded}; resize the embedding or fix the tokenizer")
     eos = {tokenizer.eos_token_id}
     for source in (config, getattr(hf_model, "generation_config", None)):
         value = getattr(source, "eos_token_id", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 
 import numpy as np
@@ -300,6 +301,25 @@ def test_a_qwen2_directory_runs_on_the_compact_forward(tmp_path, engine):
     assert isinstance(eng.model, CompactLM)
     events = eng.generate(chat_request("q", "Hello there", max_tokens=12))
     assert text_of(events) == _hf_greedy(loaded.hf_model, loaded.tokenizer, "Hello there", 12)
+
+
+def test_a_tokenizer_with_more_tokens_than_the_embedding_is_refused_at_load(tmp_path, engine):
+    """An added token past the embedding, typed into a prompt, would index past it (on CUDA a
+    device-side assert that stops the engine): the model directory is refused, by name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finsieve.engine.loader import ModelLoadError, load_model
+
+    config = LlamaConfig(vocab_size=len(engine.tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.save_pretrained(tmp_path)
+    load_model(str(tmp_path), tmp_path, torch.device("cpu"))  # as many tokens as embeddings: fine
+    tokenizer.add_tokens(["<not-in-the-embedding>"])
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"tokenizer has 49153 tokens and the model's embedding 49152"):
+        load_model(str(tmp_path), tmp_path, torch.device("cpu"))
 
 
 def _rows(n: int, **kw) -> SamplingRows:
