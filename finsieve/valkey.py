@@ -11,6 +11,7 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import unquote_plus
@@ -41,16 +42,32 @@ def valkey_binary() -> Path:
     return binary
 
 
-def _die_with_parent() -> None:
-    # Linux: the process gets SIGTERM if finsieve dies, even by SIGKILL: no orphan.
+def die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent dies, even by SIGKILL: no orphan."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _child_setup() -> None:
-    os.umask(0o077)  # data files 0600, directories 0700
-    if platform.system() == "Linux":
-        _die_with_parent()
+# Linux: valkey-server gets SIGTERM if finsieve dies, even by SIGKILL: no orphan. The
+# parent-death signal must be set in the child; Python code between fork and exec
+# (subprocess's preexec_fn) runs in a copy of a process whose other threads are gone, after
+# their libraries' fork handlers (gRPC's restarted its pollers there, and the child aborted
+# once in CI), so a small interpreter sets it and then becomes valkey-server (exec keeps the
+# signal and the pid). It exits if its parent died before the signal was set.
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _server_command(binary: Path, config: Path) -> list[str]:
+    if platform.system() != "Linux" or not sys.executable:
+        return [str(binary), str(config)]
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()),
+            str(binary), str(config)]
 
 
 class EmbeddedValkey:
@@ -84,8 +101,9 @@ class EmbeddedValkey:
             "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""', "daemonize no",
             "protected-mode yes", "logfile valkey.log", f"requirepass {self.password}", ""]))
         self.process = subprocess.Popen(
-            [str(self.binary or valkey_binary()), str(config)], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_child_setup,
+            _server_command(self.binary or valkey_binary(), config), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            umask=0o077,  # data files 0600, directories 0700
             env={k: os.environ[k] for k in CHILD_ENV if k in os.environ},
         )
         deadline = time.monotonic() + timeout

@@ -174,13 +174,13 @@ async def _retain(audit: AuditLog, days: float) -> None:
 
 def main() -> int:
     from finsieve import logs
-    from finsieve.valkey import _die_with_parent
+    from finsieve.valkey import die_with_parent
 
     config = json.loads(sys.stdin.readline())
     settings = Settings.load(config["settings"], env={})
     logs.configure(settings.log_format, settings.log_level)
     if platform.system() == "Linux":
-        _die_with_parent()
+        die_with_parent()
     if os.getppid() != config["parent"]:
         return 1  # the gateway died before we could tie our life to it
     os.nice(settings.audit_nice)
