@@ -421,13 +421,13 @@ def _mixed_steps_off(engine):
     from finsieve.engine.engine import EngineLimits
 
     scheduler, runner = engine.scheduler, engine.runner
-    saved = scheduler.mixed_tokens, runner.mixed_rows, scheduler.prompt_batch
-    scheduler.mixed_tokens = runner.mixed_rows = 0
+    saved = scheduler.mixed_tokens, runner.mixed_tokens, scheduler.prompt_batch
+    scheduler.mixed_tokens = runner.mixed_tokens = 0
     scheduler.prompt_batch = EngineLimits.prompt_batch_tokens
     try:
         yield
     finally:
-        scheduler.mixed_tokens, runner.mixed_rows, scheduler.prompt_batch = saved
+        scheduler.mixed_tokens, runner.mixed_tokens, scheduler.prompt_batch = saved
 
 
 def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = True) -> list[dict]:

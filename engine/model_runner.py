@@ -240,7 +240,6 @@ class ModelRunner:
         self.device = device
         self.n_slots = model.n_slots
         self.mixed_tokens = mixed_tokens
-        self.mixed_rows = self.n_slots + mixed_tokens if mixed_tokens else 0
         self._bans = BanIndex(model.vocab_size)  # the logits' width
         self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
@@ -278,11 +277,17 @@ class ModelRunner:
             except Exception as e:  # e.g. out of memory in the largest bucket
                 log.warning("mixed steps not captured in cuda graphs; mixed steps off",
                             error=repr(e)[:800])
-                self.mixed_tokens = self.mixed_rows = 0
+                self.mixed_tokens = 0
                 torch.cuda.empty_cache()
         graphs = DecodeGraphs(self.model, self.n_slots)
         graphs.capture()
         return graphs
+
+    @property
+    def mixed_rows(self) -> int:
+        """The most rows a mixed step holds (every slot's decode row and the prompt tokens);
+        0: mixed steps off."""
+        return self.n_slots + self.mixed_tokens if self.mixed_tokens else 0
 
     def launch(self, rows: list[StepRow]) -> Launch:
         self._staging.next_step()
@@ -393,8 +398,9 @@ class ModelRunner:
         for rows in (1, 2):  # one row and the batched layers (apart where GEMVs take one row)
             zero = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.model.decode(zero, zero, zero + scratch)
-        if self.mixed_rows:  # rows sharing a slot: the kernel that stores their keys first
-            self.model.decode(zero, torch.arange(2, device=self.device), zero + scratch, zero[:1])
+        if self.mixed_tokens:  # two rows sharing a slot: the kernel that stores their keys first
+            pair = torch.zeros(2, dtype=torch.long, device=self.device)
+            self.model.decode(pair, torch.arange(2, device=self.device), pair + scratch, pair[:1])
         torch.cuda.synchronize()
 
     def healthy(self) -> bool:

@@ -248,7 +248,7 @@ def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_pref
     from finsieve.engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
-    monkeypatch.setattr(runner, "mixed_rows", 0)
+    monkeypatch.setattr(runner, "mixed_tokens", 0)
     model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
     chunks = [(2, 0, list(range(100, 150))), (3, 0, list(range(200, 240)))]
     eager_logits = model.prefill(chunks, [True, True]).clone()
@@ -281,7 +281,7 @@ def test_a_step_launches_without_waiting_for_the_device(graphed, monkeypatch, mi
 
     model, runner = graphed.model, graphed.runner
     if not mixed:
-        monkeypatch.setattr(runner, "mixed_rows", 0)
+        monkeypatch.setattr(runner, "mixed_tokens", 0)
     model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
     rows = [StepRow(0, 30, [7]),
             StepRow(1, 30, [8], temperature=0.7, top_k=40, top_p=0.9, key=123, bans=[3]),
