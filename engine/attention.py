@@ -9,17 +9,18 @@ Decode takes the step's new keys and values with the queries, like flash-attn's
 slot and attends over the first `length` positions.
 
 Decode, on CUDA: a Triton flash-decoding kernel. Each row's positions are cut into splits
-of a fixed `split_len` (fixed per cache, never per batch); one program per (row, kv head,
-split) computes a partial softmax for the whole group of query heads sharing that kv head,
-and a second kernel merges the splits. The program whose split holds the new position
-stores the new key and value there and uses them from registers, so the cache write costs
-no kernel of its own (two index kernels per layer did before: 4% of a batch-1 step), except
-in a mixed step, where rows share a slot and a small kernel stores them all first. The
-work of a row depends only on its own length, so a row's result never depends on the rest
-of the batch, and the grid is static, so the kernels are captured in the decode step's CUDA
-graph. flash-attn's `flash_attn_with_kvcache` would do the same job; it is not used because
-it is not installable on every target (no wheel for this torch), and this kernel reads the
-same bytes.
+of a fixed `split_len` (fixed per cache, never per batch); a program per (row, kv head)
+and one of P per row computes a partial softmax of each of its splits for the whole group
+of query heads sharing that kv head (P falls as rows grow: enough programs to fill the
+device, each pipelining several splits), and a second kernel merges the splits. The
+program whose split holds the new position stores the new key and value there and uses
+them from registers, so the cache write costs no kernel of its own (two index kernels per
+layer did before: 4% of a batch-1 step), except in a mixed step, where rows share a slot
+and a small kernel stores them all first. The work of a row depends only on its own
+length, so a row's result never depends on the rest of the batch, and the grid is static,
+so the kernels are captured in the decode step's CUDA graph. flash-attn's
+`flash_attn_with_kvcache` would do the same job; it is not used because it is not
+installable on every target (no wheel for this torch), and this kernel reads the same bytes.
 
 Decode, on the CPU: one SDPA per row over exactly its own length, in the order the
 batch-invariant path has always used.
@@ -55,11 +56,17 @@ try:
 except ImportError:  # no Triton, or one before 3.3: kernels launched one after the other
     gdc_launch_dependents = gdc_wait = None
 
-# The split kernel's tile: positions per iteration, warps, pipeline stages
+# The split kernel's tile: positions per iteration, warps, pipeline stages (a mixed step's:
+# its chunk rows have many splits to pipeline; 67 against 80 us a layer, 64 decode rows
+# and a 256-token chunk)
 # (`bench_gpu.py --phases profile` times the alternatives on the device).
 # On an H200 (Qwen2-7B shape, 1024 positions a slot) the fastest over 1, 64 and 128 rows;
 # one stage: nothing to pipeline in a split of one or two tiles, and more programs fit.
-BLOCK_N, WARPS, STAGES = 64, 4, 1
+BLOCK_N, WARPS, STAGES, SHARED_STAGES = 64, 4, 1, 2
+# The programs a launch aims at (programs_per_row). On an H200, against a program per
+# split: 64 rows 32.6 against 34.5 us a layer, 128 rows 59.6 against 65.4, a mixed step of
+# 64 rows and a 256-token chunk 67 against 93 (bench_gpu.py --phases profile).
+PROGRAMS = 2048
 
 
 def overlapped(t: Tensor) -> dict:
@@ -85,6 +92,15 @@ def split_len_for(max_len: int) -> int:
     (On an H200, 1 row of 500 positions: 7.8 us per layer with 128, 5.9 with 64; 64 rows:
     33 us with 64, 35 with 128. It must not depend on the batch, or a row's result would.)"""
     return max(64, triton.next_power_of_2(-(-max_len // 32))) if triton else max_len
+
+
+def programs_per_row(row_heads: int, n_splits: int) -> int:
+    """P, the programs per (row, kv head): program j computes the row's splits j, j + P,
+    j + 2P... At a few rows one program per split, to fill the device; at many, fewer,
+    each pipelining several splits (a program per split left most of them idle, past their
+    row's length, or with one tile to load and nothing to overlap it with). A split is
+    computed alike whatever P is, so a row's result does not depend on the batch."""
+    return max(1, min(n_splits, -(-PROGRAMS // row_heads)))
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -196,12 +212,15 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                    slots: Tensor, lengths: Tensor, split_len: int, block_n: int = BLOCK_N,
-                   warps: int = WARPS, stages: int = STAGES,
-                   rope: tuple[Tensor, Tensor] | None = None, shared: bool = False) -> Tensor:
+                   warps: int = WARPS, stages: int = 0,
+                   rope: tuple[Tensor, Tensor] | None = None, shared: bool = False,
+                   programs: int = 0) -> Tensor:
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     n_splits = -(-k_cache.shape[2] // split_len)
+    programs = programs or programs_per_row(rows * kv_heads, n_splits)
+    stages = stages or (SHARED_STAGES if shared else STAGES)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     overlap = overlapped(q)
     cos, sin = rope if rope is not None else (q, q)  # unread without ROPE
@@ -217,7 +236,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         )
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
-    _split_kernel[(rows, kv_heads, n_splits)](
+    _split_kernel[(rows, kv_heads, min(programs, n_splits))](
         q, k, v, k_cache, v_cache, slots, lengths, partial, lse, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -228,7 +247,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
         BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None, STORED=shared,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
-        num_warps=warps, num_stages=stages, **overlap,
+        STAGES=stages, num_warps=warps, num_stages=stages, **overlap,
     )
     out = torch.empty_like(q)
     _merge_kernel[(rows, heads)](
@@ -253,78 +272,84 @@ if triton is not None:
                       scale,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, ROPE: tl.constexpr,
-                      STORED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      STORED: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
+                      PDL: tl.constexpr):
+        """Program (row, kv head, j) of P per row: the row's splits j, j + P, j + 2P, ..."""
         if PDL:  # every input may come from the kernel before
             gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
-        split = tl.program_id(2)
+        first = tl.program_id(2)
+        step = tl.num_programs(2)
         length = tl.load(Lengths + row)
-        slot = tl.load(Slots + row)
-        start = split * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, length)
-
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, DIM)
-        heads = kv_head * GROUP + g
-        in_group = g < GROUP
-        q_at = Q + row * sq_row + heads[:, None] * sq_head
-        q = tl.load(q_at + d[None, :], mask=in_group[:, None], other=0.0)
-        k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
-        v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
-        # The new token (position length - 1): from the inputs, and stored by the one
-        # program whose split holds it; or, STORED, already in the cache like the others.
-        last = length - 1
-        if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)
-            cos = tl.load(Cos + last * DIM + d).to(tl.float32)
-            sin = tl.load(Sin + last * DIM + d).to(tl.float32)
-            swap = (d + DIM // 2) % DIM
-            sin = tl.where(d < DIM // 2, -sin, sin)
-            q_swap = tl.load(q_at + swap[None, :], mask=in_group[:, None], other=0.0)
-            q = (q.to(tl.float32) * cos[None, :] + q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
-        if not STORED:
-            k_at = Knew + row * skn_row + kv_head * skn_head
-            k_new = tl.load(k_at + d)
-            v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
-            if ROPE:
-                k_new = (k_new.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin
-                         ).to(k_new.dtype)
-            if (start <= last) & (last < start + SPLIT_LEN):
-                tl.store(k_base + last * sk_pos + d, k_new)
-                tl.store(v_base + last * sv_pos + d, v_new)
-
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = n < end
-            cached = valid if STORED else valid & (n != last)
-            # Both tiles' loads in flight before the first dot (a split is one or two tiles:
-            # loading V after the QK dot cost 4-5% at 64 and 128 rows on an H200)
-            k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None], other=0.0)
-            v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=cached[:, None], other=0.0)
+        splits = tl.cdiv(length, SPLIT_LEN)
+        if first < splits:  # else the row has no split for this program
+            slot = tl.load(Slots + row)
+            g = tl.arange(0, GROUP_PAD)
+            d = tl.arange(0, DIM)
+            heads = kv_head * GROUP + g
+            in_group = g < GROUP
+            q_at = Q + row * sq_row + heads[:, None] * sq_head
+            q = tl.load(q_at + d[None, :], mask=in_group[:, None], other=0.0)
+            k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
+            v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
+            # The new token (position length - 1): from the inputs, and stored by the one
+            # program that holds its split; or, STORED, already in the cache like the others.
+            last = length - 1
+            if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)
+                cos = tl.load(Cos + last * DIM + d).to(tl.float32)
+                sin = tl.load(Sin + last * DIM + d).to(tl.float32)
+                swap = (d + DIM // 2) % DIM
+                sin = tl.where(d < DIM // 2, -sin, sin)
+                q_swap = tl.load(q_at + swap[None, :], mask=in_group[:, None], other=0.0)
+                q = (q.to(tl.float32) * cos[None, :] + q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
             if not STORED:
-                k = tl.where((n == last)[:, None], k_new[None, :], k)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.sum(p, 1)
-            if not STORED:
-                v = tl.where((n == last)[:, None], v_new[None, :], v)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
-
-        # A split past the row's length stores nothing: the merge reads only the row's own
-        # splits (at 128 rows, writing and reading idle splits cost more than the keys).
-        used = in_group & (start < length)
-        out = acc / tl.where(used, total, 1.0)[:, None]
-        tl.store(Partial + row * sp_row + heads[:, None] * sp_head + split * sp_split + d[None, :],
-                 out, mask=used[:, None])
-        tl.store(Lse + row * sl_row + heads * sl_head + split, m + tl.log(total), mask=used)
+                k_at = Knew + row * skn_row + kv_head * skn_head
+                k_new = tl.load(k_at + d)
+                v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
+                if ROPE:
+                    k_new = (k_new.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin
+                             ).to(k_new.dtype)
+                if (last // SPLIT_LEN) % step == first:  # no program reads it from the cache
+                    tl.store(k_base + last * sk_pos + d, k_new)
+                    tl.store(v_base + last * sv_pos + d, v_new)
+            # A split's tiles are unrolled, so this is the innermost loop and the pipeliner
+            # loads a split's keys while the one before it computes.
+            for split in tl.range(first, splits, step, num_stages=STAGES):
+                start = split * SPLIT_LEN
+                end = tl.minimum(start + SPLIT_LEN, length)
+                m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                total = tl.zeros([GROUP_PAD], tl.float32)
+                acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+                for n0 in tl.static_range(0, SPLIT_LEN, BLOCK_N):
+                    n = start + n0 + tl.arange(0, BLOCK_N)
+                    valid = n < end
+                    cached = valid if STORED else valid & (n != last)
+                    # Both tiles' loads in flight before the first dot (loading V after the
+                    # QK dot cost 4-5% at 64 and 128 rows on an H200)
+                    k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None],
+                                other=0.0)
+                    v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=cached[:, None],
+                                other=0.0)
+                    if not STORED:
+                        k = tl.where((n == last)[:, None], k_new[None, :], k)
+                        v = tl.where((n == last)[:, None], v_new[None, :], v)
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                    s = tl.where(valid[None, :], s * scale, float("-inf"))
+                    # A tile past the row's end (its last split's) leaves m, total and acc
+                    # exactly as they were: exp(-inf) = 0 and alpha = 1.
+                    m_new = tl.maximum(m, tl.max(s, 1))
+                    p = tl.exp(s - m_new[:, None])
+                    alpha = tl.exp(m - m_new)
+                    total = total * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                    m = m_new
+                # Only the row's own splits are stored: the merge reads no others.
+                tl.store(Partial + row * sp_row + heads[:, None] * sp_head + split * sp_split
+                         + d[None, :], acc / total[:, None], mask=in_group[:, None])
+                tl.store(Lse + row * sl_row + heads * sl_head + split, m + tl.log(total),
+                         mask=in_group)
 
     @triton.jit
     def _store_kernel(Knew, Vnew, K, V, Slots, Lengths, Cos, Sin,
