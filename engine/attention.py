@@ -67,6 +67,11 @@ BLOCK_N, WARPS, STAGES, SHARED_STAGES = 64, 4, 1, 2
 # split: 64 rows 32.6 against 34.5 us a layer, 128 rows 59.6 against 65.4, a mixed step of
 # 64 rows and a 256-token chunk 67 against 93 (bench_gpu.py --phases profile).
 PROGRAMS = 2048
+# Query rows (tokens x query heads per kv head) a program takes of a prefill chunk's rows:
+# the tile's 16 (two tokens of a 7-head group) are the fastest, its 32 and 64 cost more in
+# compute than they save in loads (H200, a mixed step of 64 rows and a 256-token chunk:
+# 67, 82 and 84 us a layer, against 73 with each row alone).
+CHUNK_QUERIES = 16
 
 
 def overlapped(t: Tensor) -> dict:
@@ -103,9 +108,33 @@ def programs_per_row(row_heads: int, n_splits: int) -> int:
     return max(1, min(n_splits, -(-PROGRAMS // row_heads)))
 
 
+def chunk_tokens(group: int) -> int:
+    """A mixed step's chunk rows attend in groups of this many (a program's tile has
+    tokens x group query rows), so a key tile loaded once serves them all; decode rows
+    attend alone, in their own slots."""
+    return max(1, CHUNK_QUERIES // group)
+
+
+def chunk_groups(n_decode: int, chunk_sizes: Sequence[int], tokens: int, size: int) -> np.ndarray:
+    """A mixed step's groups of rows for the attention, (2, size) int64: each group's first
+    row and its number of rows. Each decode row alone, then each chunk's rows `tokens` at a
+    time; empty groups after."""
+    starts = n_decode + np.cumsum([0, *chunk_sizes], dtype=np.int64)[:-1]
+    firsts = np.concatenate([np.arange(n_decode, dtype=np.int64),
+                             *(np.arange(a, a + n, tokens, dtype=np.int64)
+                               for a, n in zip(starts, chunk_sizes, strict=True))])
+    ends = np.concatenate([np.arange(1, n_decode + 1, dtype=np.int64),
+                           *(np.minimum(np.arange(a, a + n, tokens, dtype=np.int64) + tokens, a + n)
+                             for a, n in zip(starts, chunk_sizes, strict=True))])
+    out = np.zeros((2, size), dtype=np.int64)
+    out[0, : firsts.size], out[1, : firsts.size] = firsts, ends - firsts
+    return out
+
+
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                      slots: Tensor, lengths: Tensor, split_len: int,
-                     rope: tuple[Tensor, Tensor] | None = None, shared: bool = False) -> Tensor:
+                     rope: tuple[Tensor, Tensor] | None = None, shared: bool = False,
+                     groups: Tensor | None = None) -> Tensor:
     """q (rows, heads, head_dim), k and v (rows, kv_heads, head_dim): the new token's, written
     at position lengths - 1 of each row's slot; lengths: positions each row attends, its new
     token included. rope: the (positions, head_dim) cos and sin tables when q and k come
@@ -116,10 +145,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     shared: rows may share a slot (a prefill chunk fed as rows, one token each, beside the
     decode rows: a mixed step), so a row attends to keys that other rows bring. Every new
     key and value is then stored first, by a kernel of its own, and the attention reads
-    them all from the cache."""
+    them all from the cache. groups (chunk_groups, CUDA): the rows that attend together."""
     if q.is_cuda and split_len:
         return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len, rope=rope,
-                              shared=shared)
+                              shared=shared, groups=groups)
     positions = lengths - 1
     if rope is not None:
         cos, sin = (table[positions][:, None] for table in rope)
@@ -214,12 +243,15 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
                    slots: Tensor, lengths: Tensor, split_len: int, block_n: int = BLOCK_N,
                    warps: int = WARPS, stages: int = 0,
                    rope: tuple[Tensor, Tensor] | None = None, shared: bool = False,
-                   programs: int = 0) -> Tensor:
+                   programs: int = 0, groups: Tensor | None = None, tokens: int = 0) -> Tensor:
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     n_splits = -(-k_cache.shape[2] // split_len)
-    programs = programs or programs_per_row(rows * kv_heads, n_splits)
+    assert groups is None or shared, "rows grouped only where they share slots"
+    tokens = (tokens or chunk_tokens(group)) if groups is not None else 1
+    n_groups = groups.shape[1] if groups is not None else rows
+    programs = programs or programs_per_row(n_groups * kv_heads, n_splits)
     stages = stages or (SHARED_STAGES if shared else STAGES)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     overlap = overlapped(q)
@@ -236,16 +268,17 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         )
     partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
-    _split_kernel[(rows, kv_heads, min(programs, n_splits))](
-        q, k, v, k_cache, v_cache, slots, lengths, partial, lse, cos, sin,
+    groups = groups if groups is not None else lengths.view(1, -1)  # unread: a row a group
+    _split_kernel[(n_groups, kv_heads, min(programs, n_splits))](
+        q, k, v, k_cache, v_cache, slots, lengths, groups, partial, lse, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1),
+        lse.stride(0), lse.stride(1), groups.stride(0),
         dim ** -0.5,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None, STORED=shared,
+        GROUP=group, TOKENS=tokens, BLOCK_M=max(16, triton.next_power_of_2(tokens * group)),
+        DIM=dim, BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None, STORED=shared,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
         STAGES=stages, num_warps=warps, num_stages=stages, **overlap,
     )
@@ -263,53 +296,67 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, Knew, Vnew, K, V, Slots, Lengths, Partial, Lse, Cos, Sin,
+    def _split_kernel(Q, Knew, Vnew, K, V, Slots, Lengths, Groups, Partial, Lse, Cos, Sin,
                       sq_row, sq_head, skn_row, skn_head, svn_row, svn_head,
                       sk_slot, sk_head, sk_pos,
                       sv_slot, sv_head, sv_pos,
                       sp_row, sp_head, sp_split,
-                      sl_row, sl_head,
+                      sl_row, sl_head, sg,
                       scale,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, ROPE: tl.constexpr,
-                      STORED: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr,
-                      PDL: tl.constexpr):
-        """Program (row, kv head, j) of P per row: the row's splits j, j + P, j + 2P, ..."""
+                      GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
+                      ROPE: tl.constexpr, STORED: tl.constexpr, PRECISION: tl.constexpr,
+                      STAGES: tl.constexpr, PDL: tl.constexpr):
+        """Program (g, kv head, j) of P per group: the splits j, j + P, j + 2P... of group g's
+        rows, for the query heads sharing the kv head. A group is one row, or (TOKENS > 1,
+        Groups: each group's first row and row count) up to TOKENS consecutive rows of one
+        prefill chunk: their queries are the tile's rows (token-major), so a key tile
+        loaded once serves them all, each row masked to its own length."""
         if PDL:  # every input may come from the kernel before
             gdc_wait()
             gdc_launch_dependents()
-        row = tl.program_id(0)
         kv_head = tl.program_id(1)
         first = tl.program_id(2)
         step = tl.num_programs(2)
-        length = tl.load(Lengths + row)
-        splits = tl.cdiv(length, SPLIT_LEN)
-        if first < splits:  # else the row has no split for this program
-            slot = tl.load(Slots + row)
-            g = tl.arange(0, GROUP_PAD)
+        if TOKENS == 1:
+            row0 = tl.program_id(0)
+            count = 1
+        else:
+            row0 = tl.load(Groups + tl.program_id(0))
+            count = tl.load(Groups + sg + tl.program_id(0))
+        r = tl.arange(0, BLOCK_M)
+        in_use = r // GROUP < count
+        rows = row0 + r // GROUP
+        heads = kv_head * GROUP + r % GROUP
+        lengths = tl.load(Lengths + rows, mask=in_use, other=0)
+        end = tl.max(lengths, 0)  # the group's keys: its longest row's
+        splits = tl.cdiv(end, SPLIT_LEN)
+        if first < splits:  # else the group has no split for this program
+            slot = tl.load(Slots + row0)  # a group's rows share their slot
             d = tl.arange(0, DIM)
-            heads = kv_head * GROUP + g
-            in_group = g < GROUP
-            q_at = Q + row * sq_row + heads[:, None] * sq_head
-            q = tl.load(q_at + d[None, :], mask=in_group[:, None], other=0.0)
+            q_at = Q + rows[:, None] * sq_row + heads[:, None] * sq_head
+            q = tl.load(q_at + d[None, :], mask=in_use[:, None], other=0.0)
             k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
             v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
-            # The new token (position length - 1): from the inputs, and stored by the one
-            # program that holds its split; or, STORED, already in the cache like the others.
-            last = length - 1
             if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)
-                cos = tl.load(Cos + last * DIM + d).to(tl.float32)
-                sin = tl.load(Sin + last * DIM + d).to(tl.float32)
                 swap = (d + DIM // 2) % DIM
-                sin = tl.where(d < DIM // 2, -sin, sin)
-                q_swap = tl.load(q_at + swap[None, :], mask=in_group[:, None], other=0.0)
-                q = (q.to(tl.float32) * cos[None, :] + q_swap.to(tl.float32) * sin[None, :]).to(q.dtype)
+                sign = tl.where(d < DIM // 2, -1.0, 1.0)
+                at = (lengths - 1)[:, None] * DIM + d[None, :]
+                cos = tl.load(Cos + at, mask=in_use[:, None], other=0.0).to(tl.float32)
+                sin = tl.load(Sin + at, mask=in_use[:, None], other=0.0).to(tl.float32) * sign
+                q_swap = tl.load(q_at + swap[None, :], mask=in_use[:, None], other=0.0)
+                q = (q.to(tl.float32) * cos + q_swap.to(tl.float32) * sin).to(q.dtype)
+            # A decode step's row (TOKENS 1): its new token, at position last, from the inputs,
+            # stored by the one program that holds its split; STORED: in the cache already.
+            last = end - 1
             if not STORED:
-                k_at = Knew + row * skn_row + kv_head * skn_head
+                k_at = Knew + row0 * skn_row + kv_head * skn_head
                 k_new = tl.load(k_at + d)
-                v_new = tl.load(Vnew + row * svn_row + kv_head * svn_head + d)
+                v_new = tl.load(Vnew + row0 * svn_row + kv_head * svn_head + d)
                 if ROPE:
-                    k_new = (k_new.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin
+                    cos1 = tl.load(Cos + last * DIM + d).to(tl.float32)
+                    sin1 = tl.load(Sin + last * DIM + d).to(tl.float32) * sign
+                    k_new = (k_new.to(tl.float32) * cos1 + tl.load(k_at + swap).to(tl.float32) * sin1
                              ).to(k_new.dtype)
                 if (last // SPLIT_LEN) % step == first:  # no program reads it from the cache
                     tl.store(k_base + last * sk_pos + d, k_new)
@@ -318,14 +365,12 @@ if triton is not None:
             # loads a split's keys while the one before it computes.
             for split in tl.range(first, splits, step, num_stages=STAGES):
                 start = split * SPLIT_LEN
-                end = tl.minimum(start + SPLIT_LEN, length)
-                m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-                total = tl.zeros([GROUP_PAD], tl.float32)
-                acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                total = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, DIM], tl.float32)
                 for n0 in tl.static_range(0, SPLIT_LEN, BLOCK_N):
                     n = start + n0 + tl.arange(0, BLOCK_N)
-                    valid = n < end
-                    cached = valid if STORED else valid & (n != last)
+                    cached = n < end if STORED else (n < end) & (n != last)
                     # Both tiles' loads in flight before the first dot (loading V after the
                     # QK dot cost 4-5% at 64 and 128 rows on an H200)
                     k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None],
@@ -336,20 +381,23 @@ if triton is not None:
                         k = tl.where((n == last)[:, None], k_new[None, :], k)
                         v = tl.where((n == last)[:, None], v_new[None, :], v)
                     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                    s = tl.where(valid[None, :], s * scale, float("-inf"))
-                    # A tile past the row's end (its last split's) leaves m, total and acc
-                    # exactly as they were: exp(-inf) = 0 and alpha = 1.
+                    s = tl.where(n[None, :] < lengths[:, None], s * scale, float("-inf"))
+                    # A tile past a row's end leaves its m, total and acc as they were
+                    # (exp(-inf) = 0, alpha = 1); a row with no key yet (a chunk's row
+                    # before the group's last split) keeps zeros: m_safe avoids inf - inf.
                     m_new = tl.maximum(m, tl.max(s, 1))
-                    p = tl.exp(s - m_new[:, None])
-                    alpha = tl.exp(m - m_new)
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp(s - m_safe[:, None])
+                    alpha = tl.exp(m - m_safe)
                     total = total * alpha + tl.sum(p, 1)
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                     m = m_new
-                # Only the row's own splits are stored: the merge reads no others.
-                tl.store(Partial + row * sp_row + heads[:, None] * sp_head + split * sp_split
-                         + d[None, :], acc / total[:, None], mask=in_group[:, None])
-                tl.store(Lse + row * sl_row + heads * sl_head + split, m + tl.log(total),
-                         mask=in_group)
+                # Only the rows' own splits are stored: the merge reads no others.
+                keep = in_use & (start < lengths)
+                tl.store(Partial + rows[:, None] * sp_row + heads[:, None] * sp_head
+                         + split * sp_split + d[None, :], acc / total[:, None], mask=keep[:, None])
+                tl.store(Lse + rows * sl_row + heads * sl_head + split, m + tl.log(total),
+                         mask=keep)
 
     @triton.jit
     def _store_kernel(Knew, Vnew, K, V, Slots, Lengths, Cos, Sin,

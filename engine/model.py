@@ -33,6 +33,7 @@ from . import gemv
 from .attention import (
     VarlenKeys,
     apply_rope,
+    chunk_tokens,
     decode_attention,
     prefill_attention,
     split_len_for,
@@ -98,6 +99,7 @@ class CompactLM:
         )
         self.n_slots = n_slots
         self.split_len = split_len_for(max_len)
+        self.chunk_tokens = chunk_tokens(self.n_heads // self.n_kv_heads)  # see chunk_groups
         # One row decodes through the GEMV kernels (gemv.py) where they take the shapes.
         self.gemv = (self.device.type == "cuda" and self.cos.shape[-1] == self.head_dim
                      and gemv.fits(cfg.hidden_size, self.layers[0].w_down.shape[1],
@@ -152,15 +154,16 @@ class CompactLM:
     # -- the two entry points ---------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, ids: Tensor, positions: Tensor, slots: Tensor, heads: Tensor | None = None
-               ) -> Tensor:
+    def decode(self, ids: Tensor, positions: Tensor, slots: Tensor, heads: Tensor | None = None,
+               groups: Tensor | None = None) -> Tensor:
         """One token per row: ids[i] at KV position positions[i] of slots[i]; (rows, vocab)
         logits, or only those of the rows `heads`.
 
         heads given, rows may share a slot: the tokens of prefill chunks, fed as rows beside
         the decode rows (a mixed step: the weights are read once for both, where a prefill
         forward of its own read them again), each attending to the keys the rows before it
-        in its chunk bring."""
+        in its chunk bring; groups (attention.chunk_groups, by chunk_tokens): the rows that
+        attend together, a chunk's reading their keys once."""
         if self.gemv and ids.shape[0] == 1 and heads is None:
             return self._decode_one(ids, positions, slots)
         x = self.embed[ids]
@@ -172,7 +175,8 @@ class CompactLM:
             x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv,
                                          positions, False)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
-                                    self.split_len, rope, shared=heads is not None)
+                                    self.split_len, rope, shared=heads is not None,
+                                    groups=groups)
             x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                         layer.w_gate_up, layer.w_down)
         x = x + delta if heads is None else x[heads] + delta[heads]

@@ -25,7 +25,7 @@ import structlog
 import torch
 from torch import Tensor
 
-from .attention import VarlenKeys
+from .attention import VarlenKeys, chunk_groups
 from .model import prefill_arrays
 from .sampler import BanIndex, DeviceParams, SamplingRows, sample
 
@@ -85,6 +85,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(3, most, dtype=torch.long, device=model.device)
         self.inputs[2].fill_(model.cache.scratch)
         self.heads = torch.zeros(max_rows, dtype=torch.long, device=model.device)
+        self.groups = torch.zeros(2, most, dtype=torch.long, device=model.device)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
     def bucket(self, rows: int, mixed: bool = False) -> int:
@@ -98,20 +99,24 @@ class DecodeGraphs:
         pool = None  # one for both kinds: a step replays one graph, then samples its logits
         shapes = [(size, False) for size in self.buckets] + [(size, True) for size in self.mixed_buckets]
         for size, mixed in sorted(shapes, reverse=True):  # largest first: the smaller reuse its memory
-            heads = self.heads[: self.head_rows(size)] if mixed else None
-            forward = functools.partial(self.model.decode, *self.inputs[:, :size], heads)
+            heads, groups = (self.heads[: self.head_rows(size)], self.groups[:, :size]) if mixed \
+                else (None, None)
+            forward = functools.partial(self.model.decode, *self.inputs[:, :size], heads, groups)
             graph, out = _captured(forward, pool)
             pool = graph.pool()
             self._graphs[size, mixed] = (graph, out)
         torch.cuda.synchronize()
 
-    def run(self, inputs: Tensor, rows: int, heads: Tensor | None = None) -> Tensor:
-        """inputs: (3, bucket) ids, positions, slots, padding included; heads (mixed): the
-        rows whose logits are wanted, padded to the bucket's head_rows."""
+    def run(self, inputs: Tensor, rows: int, heads: Tensor | None = None,
+            groups: Tensor | None = None) -> Tensor:
+        """inputs: (3, bucket) ids, positions, slots, padding included; heads and groups
+        (mixed): the rows whose logits are wanted, padded to the bucket's head_rows, and the
+        rows' attention groups, (2, bucket)."""
         size = inputs.shape[1]
         self.inputs[:, :size].copy_(inputs)
         if heads is not None:
             self.heads[: heads.numel()].copy_(heads)
+            self.groups[:, :size].copy_(groups)
         graph, out = self._graphs[size, heads is not None]
         graph.replay()
         return out[:rows]
@@ -321,8 +326,8 @@ class ModelRunner:
         logits = []
         if decode:
             inputs = staged.pop(0).view(5, -1)
-            heads = staged.pop(0) if mixed else None
-            logits.append(self._decode(decode_rows, inputs, heads, len(order)))
+            heads, groups = (staged.pop(0), staged.pop(0).view(2, -1)) if mixed else (None, None)
+            logits.append(self._decode(decode_rows, inputs, heads, groups, len(order)))
         bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
         device_params = None
         if params.sampled:
@@ -355,7 +360,7 @@ class ModelRunner:
         previous row, for the decode rows, then (a mixed step) each chunk's tokens as rows;
         padding rows feed token 0 at position 0 of the scratch slot. A mixed step's heads
         follow as a second array: the decode rows and each sampled chunk's last token (the
-        launch's order), padded to the bucket's."""
+        launch's order), padded to the bucket's; and its attention groups as a third."""
         n_decode = len(rows)
         n = n_decode + sum(len(toks) for _, _, toks in chunks)
         size = self.graphs.bucket(n, mixed=bool(chunks)) if self.graphs else n
@@ -373,10 +378,12 @@ class ModelRunner:
         out[0, n_decode:n], out[1, n_decode:n], out[2, n_decode:n] = ids, positions, slots
         heads = np.concatenate([np.arange(n_decode, dtype=np.int64), n_decode + last])
         width = self.graphs.head_rows(size) if self.graphs else heads.size
-        return [out.reshape(-1), _padded(heads, width, 0)]
+        groups = chunk_groups(n_decode, [len(toks) for _, _, toks in chunks],
+                              self.model.chunk_tokens, size)
+        return [out.reshape(-1), _padded(heads, width, 0), groups.reshape(-1)]
 
     def _decode(self, rows: list[StepRow], inputs: Tensor, heads: Tensor | None,
-                sampled: int) -> Tensor:
+                groups: Tensor | None, sampled: int) -> Tensor:
         """The decode rows' logits; a mixed step's (heads) are the step's `sampled` rows'."""
         logit_rows = len(rows) if heads is None else sampled
         if any(not r.tokens for r in rows):
@@ -385,10 +392,10 @@ class ModelRunner:
             ahead = self._prev[inputs[4]].clamp(min=0)
             inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
         if self.graphs is not None:
-            return self.graphs.run(inputs[:3], logit_rows, heads)
+            return self.graphs.run(inputs[:3], logit_rows, heads, groups)
         if heads is None:
             return self.model.decode(inputs[0], inputs[1], inputs[2])
-        return self.model.decode(inputs[0], inputs[1], inputs[2], heads)[:logit_rows]
+        return self.model.decode(inputs[0], inputs[1], inputs[2], heads, groups)[:logit_rows]
 
     def warm_up(self) -> None:
         """A prefill and an eager decode on the scratch slot: a kernel the device refuses
@@ -398,9 +405,11 @@ class ModelRunner:
         for rows in (1, 2):  # one row and the batched layers (apart where GEMVs take one row)
             zero = torch.zeros(rows, dtype=torch.long, device=self.device)
             self.model.decode(zero, zero, zero + scratch)
-        if self.mixed_tokens:  # two rows sharing a slot: the kernel that stores their keys first
+        if self.mixed_tokens:  # a chunk's two rows, sharing a slot and attending together
             pair = torch.zeros(2, dtype=torch.long, device=self.device)
-            self.model.decode(pair, torch.arange(2, device=self.device), pair + scratch, pair[:1])
+            group = torch.tensor([[0, 0], [2, 0]], device=self.device)
+            self.model.decode(pair, torch.arange(2, device=self.device), pair + scratch, pair[:1],
+                              group)
         torch.cuda.synchronize()
 
     def healthy(self) -> bool:

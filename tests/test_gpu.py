@@ -107,8 +107,9 @@ def test_triton_decode_attention_matches_sdpa():
 def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
     """A mixed step's rows: the tokens of prefill chunks, each attending to the ones before
     it in its slot, beside decode rows. Every new key (rotated) and value is stored first,
-    at its row's position and nowhere else; the attention is the per-row path's."""
-    from finsieve.engine.attention import _triton_decode, decode_attention, split_len_for
+    at its row's position and nowhere else; the attention is the per-row path's, whether a
+    chunk's rows attend alone or in groups (each reading a key tile once for all)."""
+    from finsieve.engine.attention import _triton_decode, chunk_groups, decode_attention, split_len_for
 
     torch.manual_seed(0)
     heads, kv_heads, dim = 28, 4, 128
@@ -125,16 +126,22 @@ def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
         ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
         ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k, ref_v,
                                slots.cpu(), lengths.cpu(), 0, [t.float().cpu() for t in rope])
-        out = _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len_for(1024),
-                             rope=rope, shared=True)
-        assert _relative_error(out.cpu(), ref) < tolerance, dtype
-        new_k, new_v = k_cache.float().cpu(), v_cache.float().cpu()
-        written = (slots.cpu(), slice(None), lengths.cpu() - 1)
-        assert _relative_error(new_k[written], ref_k[written]) < tolerance / 2
-        assert torch.equal(new_v[written], ref_v[written])
-        for cache in (new_k, ref_k):
-            cache[written] = 0
-        assert torch.equal(new_k, ref_k)  # nothing else written
+        # the rows alone, and each chunk's in groups of 2 and of 9 (the chunk's last shorter)
+        for tokens in (0, 2, 9):
+            groups = None if not tokens else \
+                torch.from_numpy(chunk_groups(2, [10, 40], tokens, slots.numel())).cuda()
+            cache = k_cache.clone(), v_cache.clone()
+            out = _triton_decode(q, k, v, *cache, slots, lengths, split_len_for(1024),
+                                 rope=rope, shared=True, groups=groups, tokens=tokens)
+            assert _relative_error(out.cpu(), ref) < tolerance, (dtype, tokens)
+            new_k, new_v = (c.float().cpu() for c in cache)
+            written = (slots.cpu(), slice(None), lengths.cpu() - 1)
+            assert _relative_error(new_k[written], ref_k[written]) < tolerance / 2
+            assert torch.equal(new_v[written], ref_v[written])
+            unwritten = ref_k.clone()
+            for c in (new_k, unwritten):
+                c[written] = 0
+            assert torch.equal(new_k, unwritten)  # nothing else written
 
 
 def test_varlen_prefill_matches_sdpa_per_chunk():
@@ -305,6 +312,7 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
     """Decode rows and a prefill chunk in one forward: its graph replays the eager mixed step
     bit for bit, and the runner (which then runs no prefill forward) samples the tokens that
     the decode step and the eager prefill give apart, within bf16's noise."""
+    from finsieve.engine.attention import chunk_groups
     from finsieve.engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
@@ -327,10 +335,15 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
     slots = torch.tensor([0, 1, *[2] * 46], device="cuda")
     heads = torch.zeros(graphs.head_rows(48), dtype=torch.long, device="cuda")
     heads[:3] = torch.tensor([0, 1, 47])
-    eager = model.decode(ids, positions, slots, heads)[:3].clone()
-    replayed = graphs.run(torch.stack([ids, positions, slots]), 3, heads).clone()
+    groups = torch.from_numpy(chunk_groups(2, [46], model.chunk_tokens, 48)).cuda()
+    eager = model.decode(ids, positions, slots, heads, groups)[:3].clone()
+    replayed = graphs.run(torch.stack([ids, positions, slots]), 3, heads, groups).clone()
     assert torch.equal(eager, replayed)
     assert _first_choices(apart, eager.argmax(-1).tolist())
+    # the chunk's rows attending in groups or each alone: the same logits (a group of a few
+    # tokens fills the 16 query rows of the tile that one token's heads are padded to)
+    alone = model.decode(ids, positions, slots, heads)[:3]
+    assert torch.equal(eager, alone)
 
 
 def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):

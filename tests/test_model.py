@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from finsieve.client import chat_request
-from finsieve.engine.attention import VarlenKeys
+from finsieve.engine.attention import VarlenKeys, chunk_groups
 from finsieve.engine.engine import EngineLimits, LLMEngine
 from finsieve.engine.hf_runner import HFRunner
 from finsieve.engine.loader import LoadedModel
@@ -155,6 +155,26 @@ def test_varlen_keys_are_each_chunks_slot_prefix():
     assert cu_q.tolist() == [0, 5, 7, 8]
     for i, (slot, start, n) in enumerate(chunks):
         assert torch.equal(gathered[cu_k[i] : cu_k[i + 1]], cache[slot, :, : start + n].transpose(0, 1))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_a_mixed_steps_attention_groups_are_decode_rows_alone_and_runs_of_each_chunk(tokens):
+    """Every row in one group: each decode row alone, each chunk's rows in runs of at most
+    `tokens` that never cross into the next chunk (the rows of a group share a slot);
+    the groups after them are empty."""
+    n_decode, sizes, size = 3, [5, 1, 0, 9], 24
+    groups = chunk_groups(n_decode, sizes, tokens, size)
+    owner = np.repeat(np.arange(-n_decode, len(sizes)), [1] * n_decode + sizes)  # decode rows < 0
+    seen = []
+    for first, count in groups.T:
+        if count:
+            rows = list(range(first, first + count))
+            assert count <= (1 if owner[first] < 0 else tokens)
+            assert len({owner[r] for r in rows}) == 1
+            seen += rows
+    assert seen == list(range(n_decode + sum(sizes)))
+    used = n_decode + sum(-(-n // tokens) for n in sizes)
+    assert (groups[1, :used] > 0).all() and not groups[:, used:].any()
 
 
 def _varlen_reference(q, k_cache, v_cache, keys: VarlenKeys) -> torch.Tensor:
