@@ -1130,49 +1130,77 @@ def _graph_ms(fn, reps: int = 28) -> float:
 
 
 def _attention_configs(m, bandwidth: float | None) -> dict:
-    """The decode attention kernel's tile and split choices, timed at 1, 64 and 128 rows over
-    one layer's cache (lengths 128-768): microseconds per layer and share of the copy rate."""
+    """The decode attention kernel's choices, timed over one layer's cache (lengths 128-768):
+    tile and split at 1, 64 and 128 rows (the programs per row as launched), the programs
+    per row at the current tile, and a mixed step's (64 rows and a fresh 256-token chunk)
+    with the chunk's rows alone and grouped. Microseconds per layer, share of the copy rate."""
     import torch
 
     from finsieve.engine import attention
 
     cache_k, cache_v = m.cache.k[0], m.cache.v[0]
-    rows_max = min(128, cache_k.shape[0] - 1)
+    dev = cache_k.device
+    rows_max = min(128, cache_k.shape[0] - 2)
     heads, kv_heads, dim = m.n_heads, m.n_kv_heads, m.head_dim
+    current = (m.split_len, attention.BLOCK_N, attention.WARPS, attention.STAGES)
+
+    def timed(label: str, configs: list[dict], kv_bytes: int, call) -> dict:
+        timings = []
+        for config in configs:
+            try:
+                us = 1000 * _graph_ms(functools.partial(call, **config))
+            except Exception as e:  # a tile the compiler refuses: skip it
+                print(f"  attention {label} {config}: {e!r:.120}", flush=True)
+                continue
+            timings.append({**config, "us": us,
+                            "of_copy": kv_bytes / (us / 1e6) / bandwidth if bandwidth else None})
+        timings.sort(key=lambda t: t["us"])
+        for t in timings[:3]:
+            print(f"  attention {label:>20}: {t}", flush=True)
+        return {"best": timings[:5], "all": timings}
+
     results: dict = {}
     for rows in sorted({1, min(64, rows_max), rows_max}):
         lengths = torch.tensor([500] if rows == 1 else [128 + (i * 37) % 641 for i in range(rows)],
-                               device=cache_k.device)
-        slots = torch.arange(rows, device=cache_k.device)
-        q = torch.randn(rows, heads, dim, device=cache_k.device, dtype=cache_k.dtype)
-        k = torch.randn(rows, kv_heads, dim, device=cache_k.device, dtype=cache_k.dtype)
+                               device=dev)
+        slots = torch.arange(rows, device=dev)
+        q = torch.randn(rows, heads, dim, device=dev, dtype=cache_k.dtype)
+        k = torch.randn(rows, kv_heads, dim, device=dev, dtype=cache_k.dtype)
         v = torch.randn_like(k)
         kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * cache_k.element_size()
-        timings = []
-        for split_len, block_n, warps, stages in itertools.product(
-                (64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)):
-            if block_n > split_len:
-                continue
-            try:
-                call = functools.partial(attention._triton_decode, q, k, v, cache_k, cache_v, slots,
-                                         lengths, split_len, block_n, warps, stages,
-                                         rope=(m.cos, m.sin))
-                us = 1000 * _graph_ms(call)
-            except Exception as e:  # a tile the compiler refuses: skip it
-                print(f"  attention {split_len}/{block_n}/{warps}/{stages}: {e!r:.120}", flush=True)
-                continue
-            timings.append({"split_len": split_len, "block_n": block_n, "warps": warps,
-                            "stages": stages, "us": us,
-                            "of_copy": kv_bytes / (us / 1e6) / bandwidth if bandwidth else None})
-        timings.sort(key=lambda t: t["us"])
-        current = next((t for t in timings if (t["split_len"], t["block_n"], t["warps"], t["stages"])
-                        == (m.split_len, attention.BLOCK_N, attention.WARPS, attention.STAGES)), None)
-        results[rows] = {"best": timings[:5], "current": current}
-        for label, t in [("current", current), *(("best", t) for t in timings[:3])]:
-            if t:
-                print(f"  attention x {rows:>3} rows {label:>7}: split {t['split_len']:>3} block "
-                      f"{t['block_n']:>3} warps {t['warps']} stages {t['stages']}: {t['us']:6.1f} us"
-                      + (f" ({t['of_copy']:.0%} of copy)" if t["of_copy"] else ""), flush=True)
+
+        def call(q=q, k=k, v=v, slots=slots, lengths=lengths, **config):
+            return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths,
+                                            rope=(m.cos, m.sin), **config)
+
+        tiles = [dict(split_len=sl, block_n=bn, warps=w, stages=st) for sl, bn, w, st in
+                 itertools.product((64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)) if bn <= sl]
+        results[f"{rows} rows"] = timed(f"{rows} rows", tiles, kv_bytes, call)
+        programs = [dict(zip(("split_len", "block_n", "warps", "stages"), current, strict=True),
+                         programs=p) for p in (1, 2, 4, 8, 16)]
+        results[f"{rows} rows, programs"] = timed(f"{rows} rows, P", programs, kv_bytes, call)
+    chunk = 256
+    slots = torch.tensor([*range(64), *[64] * chunk], device=dev)
+    lengths = torch.tensor([128 + (i * 37) % 641 for i in range(64)] + list(range(1, chunk + 1)),
+                           device=dev)
+    n = slots.numel()
+    q = torch.randn(n, heads, dim, device=dev, dtype=cache_k.dtype)
+    k = torch.randn(n, kv_heads, dim, device=dev, dtype=cache_k.dtype)
+    v = torch.randn_like(k)
+    kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * cache_k.element_size()
+    configs = [{"tokens": 0}]
+    for tokens in sorted({2, m.chunk_tokens, 4}):
+        groups = torch.from_numpy(attention.chunk_groups(64, [chunk], tokens, n)).to(dev)
+        configs += [{"tokens": tokens, "groups": groups, "programs": p} for p in (0, 1, 2, 4)]
+
+    def mixed(tokens: int, **config):
+        return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths, m.split_len,
+                                        rope=(m.cos, m.sin), shared=True, tokens=tokens, **config)
+
+    found = timed("64 rows + 256 chunk", configs, kv_bytes, mixed)
+    for t in found["all"]:
+        t.pop("groups", None)
+    results["mixed"] = found
     return results
 
 

@@ -335,29 +335,19 @@ if triton is not None:
             slot = tl.load(Slots + row0)  # a group's rows share their slot
             d = tl.arange(0, DIM)
             q_at = Q + rows[:, None] * sq_row + heads[:, None] * sq_head
-            q = tl.load(q_at + d[None, :], mask=in_use[:, None], other=0.0)
+            if ROPE:
+                q = _load_rotated(q_at, (lengths - 1)[:, None], in_use[:, None], Cos, Sin, DIM)
+            else:
+                q = tl.load(q_at + d[None, :], mask=in_use[:, None], other=0.0)
             k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
             v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
-            if ROPE:  # x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)
-                swap = (d + DIM // 2) % DIM
-                sign = tl.where(d < DIM // 2, -1.0, 1.0)
-                at = (lengths - 1)[:, None] * DIM + d[None, :]
-                cos = tl.load(Cos + at, mask=in_use[:, None], other=0.0).to(tl.float32)
-                sin = tl.load(Sin + at, mask=in_use[:, None], other=0.0).to(tl.float32) * sign
-                q_swap = tl.load(q_at + swap[None, :], mask=in_use[:, None], other=0.0)
-                q = (q.to(tl.float32) * cos + q_swap.to(tl.float32) * sin).to(q.dtype)
             # A decode step's row (TOKENS 1): its new token, at position last, from the inputs,
             # stored by the one program that holds its split; STORED: in the cache already.
             last = end - 1
             if not STORED:
                 k_at = Knew + row0 * skn_row + kv_head * skn_head
-                k_new = tl.load(k_at + d)
+                k_new = _load_rotated(k_at, last, last >= 0, Cos, Sin, DIM) if ROPE else tl.load(k_at + d)
                 v_new = tl.load(Vnew + row0 * svn_row + kv_head * svn_head + d)
-                if ROPE:
-                    cos1 = tl.load(Cos + last * DIM + d).to(tl.float32)
-                    sin1 = tl.load(Sin + last * DIM + d).to(tl.float32) * sign
-                    k_new = (k_new.to(tl.float32) * cos1 + tl.load(k_at + swap).to(tl.float32) * sin1
-                             ).to(k_new.dtype)
                 if (last // SPLIT_LEN) % step == first:  # no program reads it from the cache
                     tl.store(k_base + last * sk_pos + d, k_new)
                     tl.store(v_base + last * sv_pos + d, v_new)
@@ -404,8 +394,7 @@ if triton is not None:
                       skn_row, skn_head, svn_row, svn_head,
                       sk_slot, sk_head, sk_pos, sv_slot, sv_head, sv_pos,
                       DIM: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
-        """Each row's new key (rotated as _split_kernel rotates it) and value, stored at
-        position length - 1 of its slot."""
+        """Each row's new key (rotated) and value, stored at position length - 1 of its slot."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -415,16 +404,22 @@ if triton is not None:
         slot = tl.load(Slots + row).to(tl.int64)
         d = tl.arange(0, DIM)
         k_at = Knew + row * skn_row + kv_head * skn_head
-        k = tl.load(k_at + d)
-        if ROPE:
-            cos = tl.load(Cos + last * DIM + d).to(tl.float32)
-            sin = tl.load(Sin + last * DIM + d).to(tl.float32)
-            sin = tl.where(d < DIM // 2, -sin, sin)
-            swap = (d + DIM // 2) % DIM
-            k = (k.to(tl.float32) * cos + tl.load(k_at + swap).to(tl.float32) * sin).to(k.dtype)
+        k = _load_rotated(k_at, last, last >= 0, Cos, Sin, DIM) if ROPE else tl.load(k_at + d)
         tl.store(K + slot * sk_slot + kv_head * sk_head + last * sk_pos + d, k)
         tl.store(V + slot * sv_slot + kv_head * sv_head + last * sv_pos + d,
                  tl.load(Vnew + row * svn_row + kv_head * svn_head + d))
+
+    @triton.jit
+    def _load_rotated(at, position, mask, Cos, Sin, DIM: tl.constexpr):
+        """The head vectors at `at` (each one's first element) rotated to `position`:
+        x * cos + rotate_half(x) * sin in float32, rounded once (as torch.compile does)."""
+        d = tl.arange(0, DIM)
+        x = tl.load(at + d, mask=mask, other=0.0)
+        x_swap = tl.load(at + (d + DIM // 2) % DIM, mask=mask, other=0.0)
+        cos = tl.load(Cos + position * DIM + d, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + position * DIM + d, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.where(d < DIM // 2, -sin, sin)
+        return (x.to(tl.float32) * cos + x_swap.to(tl.float32) * sin).to(x.dtype)
 
     @triton.jit
     def _merge_kernel(Partial, Lse, Out, Lengths,
