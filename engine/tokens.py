@@ -11,7 +11,7 @@ import codecs
 import re
 from functools import cache
 
-from finsieve.policy.utf8 import replaced
+from finsieve.policy.utf8 import replaced_in_step
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SP_SPACE = "\u2581"
@@ -80,13 +80,12 @@ class IncrementalText:
         piece = self._table[token_id] if token_id < len(self._table) else b""
         new = self._decoder.decode(piece)
         pending = self._decoder.getstate()[0]
-        consumed = len(self._pending) + len(piece) - len(pending)
         if "\ufffd" in new:  # rare: invalid bytes, or a U+FFFD the model wrote
             base = len(self.text)
             self._odd += [(base + i, size - 3) for i, size
-                          in replaced((self._pending + piece)[:consumed]) if size != 3]
+                          in replaced_in_step(self._pending, piece, pending) if size != 3]
+        self.raw_len += len(self._pending) + len(piece) - len(pending)
         self._pending = pending
-        self.raw_len += consumed
         self.text += new
         return new
 

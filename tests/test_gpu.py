@@ -69,39 +69,61 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def _attention_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, slots: list[int],
+                    lengths: list[int], rope: list[torch.Tensor] | None) -> tuple:
+    """q, k, v (as the forward hands them over: strided views of one wider row), a random
+    cache of 6 slots of 1,024 positions, and the per-row path's result on the CPU in float32
+    with the cache it wrote."""
+    from finsieve.engine.attention import decode_attention
+
+    slots_t, lengths_t = (torch.tensor(x, device="cuda") for x in (slots, lengths))
+    cache = [torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype) for _ in range(2)]
+    qkv = torch.randn(len(slots), (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+    q, k, v = qkv.view(len(slots), -1, dim).split([heads, kv_heads, kv_heads], 1)
+    ref_cache = [c.float().cpu() for c in cache]
+    ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), *ref_cache,
+                           slots_t.cpu(), lengths_t.cpu(), 0, rope and [t.float().cpu() for t in rope])
+    return (q, k, v, slots_t, lengths_t), cache, ref, ref_cache
+
+
+def _assert_attends(out: torch.Tensor, cache: list[torch.Tensor], ref: torch.Tensor,
+                    ref_cache: list[torch.Tensor], slots: list[int], lengths: list[int],
+                    tolerance: float) -> None:
+    """out is the per-row path's, and each row's new key (rotated) and value were written at
+    its last position, and nothing else."""
+    assert _relative_error(out.cpu(), ref) < tolerance
+    (new_k, new_v), (ref_k, ref_v) = [c.float().cpu() for c in cache], ref_cache
+    written = (torch.tensor(slots), slice(None), torch.tensor(lengths) - 1)
+    assert _relative_error(new_k[written], ref_k[written]) < tolerance / 2
+    assert torch.equal(new_v[written], ref_v[written])
+    unwritten = ref_k.clone()
+    for c in (new_k, unwritten):
+        c[written] = 0
+    assert torch.equal(new_k, unwritten)
+
+
+def _rope_tables(dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    angles = torch.rand(1024, dim // 2, device="cuda") * 6.3
+    return [torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin)]
+
+
 def test_triton_decode_attention_matches_sdpa():
     """The kernel writes each row's new key and value at its last position, and nowhere else,
     and attends like SDPA over exactly the row's length; with RoPE tables, it rotates q and
     the new key as the per-row path does."""
-    from finsieve.engine.attention import _triton_decode, decode_attention, split_len_for
+    from finsieve.engine.attention import _triton_decode, split_len_for
 
     torch.manual_seed(0)
+    slots, lengths = [3, 0, 5, 1, 2], [1, 255, 1024, 257, 700]
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for heads, kv_heads, dim in ((9, 3, 64), (28, 4, 128)):
-            angles = torch.rand(1024, dim // 2, device="cuda") * 6.3
-            tables = [torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin)]
-            for rope in (None, tables):
-                k_cache = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
-                v_cache = torch.randn_like(k_cache)
-                # q, k and v as the forward hands them over: strided views of one wider row
-                qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
-                q, k, v = qkv.view(5, -1, dim).split([heads, kv_heads, kv_heads], 1)
-                slots = torch.tensor([3, 0, 5, 1, 2], device="cuda")
-                lengths = torch.tensor([1, 255, 1024, 257, 700], device="cuda")
-                ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
-                ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k,
-                                       ref_v, slots.cpu(), lengths.cpu(), 0,
-                                       rope and [t.float().cpu() for t in rope])
-                out = _triton_decode(q, k, v, k_cache, v_cache, slots, lengths,
-                                     split_len_for(1024), rope=rope)
-                assert _relative_error(out.cpu(), ref) < tolerance, (dtype, heads, rope is None)
-                new_k, new_v = k_cache.float().cpu(), v_cache.float().cpu()
-                last = (slots.cpu(), slice(None), lengths.cpu() - 1)
-                assert _relative_error(new_k[last], ref_k[last]) < tolerance / 2
-                assert torch.equal(new_v[last], ref_v[last])
-                for cache in (new_k, ref_k):
-                    cache[last] = 0
-                assert torch.equal(new_k, ref_k)  # nothing else written
+            for rope in (None, _rope_tables(dim, dtype)):
+                inputs, cache, ref, ref_cache = _attention_case(heads, kv_heads, dim, dtype, slots,
+                                                                lengths, rope)
+                q, k, v, slots_t, lengths_t = inputs
+                out = _triton_decode(q, k, v, *cache, slots_t, lengths_t, split_len_for(1024),
+                                     rope=rope)
+                _assert_attends(out, cache, ref, ref_cache, slots, lengths, tolerance)
 
 
 def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
@@ -109,39 +131,24 @@ def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
     it in its slot, beside decode rows. Every new key (rotated) and value is stored first,
     at its row's position and nowhere else; the attention is the per-row path's, whether a
     chunk's rows attend alone or in groups (each reading a key tile once for all)."""
-    from finsieve.engine.attention import _triton_decode, chunk_groups, decode_attention, split_len_for
+    from finsieve.engine.attention import _triton_decode, chunk_groups, split_len_for
 
     torch.manual_seed(0)
-    heads, kv_heads, dim = 28, 4, 128
-    angles = torch.rand(1024, dim // 2, device="cuda") * 6.3
     # decode rows in slots 3 and 5; a fresh chunk of 10 in slot 0, one continuing at 200 in slot 1
-    slots = torch.tensor([3, 5, *[0] * 10, *[1] * 40], device="cuda")
-    lengths = torch.tensor([300, 1024, *range(1, 11), *range(201, 241)], device="cuda")
+    slots = [3, 5, *[0] * 10, *[1] * 40]
+    lengths = [300, 1024, *range(1, 11), *range(201, 241)]
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        rope = [torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin)]
-        k_cache = torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
-        qkv = torch.randn(slots.numel(), (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
-        q, k, v = qkv.view(slots.numel(), -1, dim).split([heads, kv_heads, kv_heads], 1)
-        ref_k, ref_v = k_cache.float().cpu(), v_cache.float().cpu()
-        ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), ref_k, ref_v,
-                               slots.cpu(), lengths.cpu(), 0, [t.float().cpu() for t in rope])
+        rope = _rope_tables(128, dtype)
+        inputs, cache, ref, ref_cache = _attention_case(28, 4, 128, dtype, slots, lengths, rope)
+        q, k, v, slots_t, lengths_t = inputs
         # the rows alone, and each chunk's in groups of 2 and of 9 (the chunk's last shorter)
         for tokens in (0, 2, 9):
             groups = None if not tokens else \
-                torch.from_numpy(chunk_groups(2, [10, 40], tokens, slots.numel())).cuda()
-            cache = k_cache.clone(), v_cache.clone()
-            out = _triton_decode(q, k, v, *cache, slots, lengths, split_len_for(1024),
+                torch.from_numpy(chunk_groups(2, [10, 40], tokens, len(slots))).cuda()
+            written = [c.clone() for c in cache]
+            out = _triton_decode(q, k, v, *written, slots_t, lengths_t, split_len_for(1024),
                                  rope=rope, shared=True, groups=groups, tokens=tokens)
-            assert _relative_error(out.cpu(), ref) < tolerance, (dtype, tokens)
-            new_k, new_v = (c.float().cpu() for c in cache)
-            written = (slots.cpu(), slice(None), lengths.cpu() - 1)
-            assert _relative_error(new_k[written], ref_k[written]) < tolerance / 2
-            assert torch.equal(new_v[written], ref_v[written])
-            unwritten = ref_k.clone()
-            for c in (new_k, unwritten):
-                c[written] = 0
-            assert torch.equal(new_k, unwritten)  # nothing else written
+            _assert_attends(out, written, ref, ref_cache, slots, lengths, tolerance)
 
 
 def test_varlen_prefill_matches_sdpa_per_chunk():

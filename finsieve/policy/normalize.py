@@ -36,7 +36,7 @@ import disarm
 import regex
 
 from .scripts import ALNUM, LATIN, script_tag
-from .utf8 import replaced
+from .utf8 import replaced_in_step
 
 # Bump when the view changes for the same Unicode data; the data versions are part of it.
 VIEW_VERSION = f"2/unicode-{unicodedata.unidata_version}/confusables-{disarm.CONFUSABLES_VERSION}"
@@ -205,8 +205,7 @@ class Normalizer:
         before) + `data`: its UTF-8 length, except a U+FFFD that stands for invalid bytes."""
         sizes = [len(c.encode()) for c in chars]
         if "\ufffd" in chars:  # rare: invalid bytes, or a U+FFFD the model wrote
-            consumed = len(head) + len(data) - len(self.pending)
-            for i, size in replaced((head + data)[:consumed]):
+            for i, size in replaced_in_step(head, data, self.pending):
                 sizes[i] = size
         return sizes
 

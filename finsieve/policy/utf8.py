@@ -25,3 +25,10 @@ def replaced(data: bytes) -> list[tuple[int, int]]:
             out.append((chars, e.end - e.start))
             chars += 1
             pos += e.end
+
+
+def replaced_in_step(before: bytes, piece: bytes, after: bytes) -> list[tuple[int, int]]:
+    """replaced() of what an incremental decoder just decoded: the bytes pending `before`
+    it and `piece`, less those still pending `after` (they are decoded later)."""
+    consumed = len(before) + len(piece) - len(after)
+    return replaced((before + piece)[:consumed])
