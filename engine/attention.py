@@ -67,6 +67,8 @@ BLOCK_N, WARPS, STAGES, SHARED_STAGES = 64, 4, 1, 2
 # split: 64 rows 32.6 against 34.5 us a layer, 128 rows 59.6 against 65.4, a mixed step of
 # 64 rows and a 256-token chunk 67 against 93 (bench_gpu.py --phases profile).
 PROGRAMS = 2048
+# Warps of a merge program (one per row and head: a few kilobytes of partials to read).
+MERGE_WARPS = 2
 # Query rows (tokens x query heads per kv head) a program takes of a prefill chunk's rows:
 # the tile's 16 (two tokens of a 7-head group) are the fastest, its 32 and 64 cost more in
 # compute than they save in loads (H200, a mixed step of 64 rows and a 256-token chunk:
@@ -288,7 +290,7 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         SPLIT_LEN=split_len, SPLITS_PAD=triton.next_power_of_2(n_splits), DIM=dim,
-        num_warps=4, **overlap,
+        num_warps=MERGE_WARPS, **overlap,
     )
     return out
 
