@@ -68,7 +68,10 @@ BLOCK_N, WARPS, STAGES, SHARED_STAGES = 64, 4, 1, 2
 # 64 rows and a 256-token chunk 67 against 93 (bench_gpu.py --phases profile).
 PROGRAMS = 2048
 # Warps of a merge program (one per row and head: a few kilobytes of partials to read).
-MERGE_WARPS = 2
+# One: more programs in flight. H200, per layer of the whole attention, 4 / 2 / 1 warps:
+# 1 row 4.9 / 5.6 / 5.1 us, 64 rows 32.1 / 31.1 / 28.5, 128 rows 58.2 / 53.3 / 51.2, 64 rows
+# + a 256-token chunk 66.6 / 51.4 / 51.6, 128 rows + 160 tokens at 160 78.4 / 65.9 / 64.1.
+MERGE_WARPS = 1
 # Query rows (tokens x query heads per kv head) a program takes of a prefill chunk's rows:
 # the tile's 16 (two tokens of a 7-head group) are the fastest, its 32 and 64 cost more in
 # compute than they save in loads (H200, a mixed step of 64 rows and a 256-token chunk:
