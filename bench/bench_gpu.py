@@ -1140,7 +1140,7 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
 
     cache_k, cache_v = m.cache.k[0], m.cache.v[0]
     dev = cache_k.device
-    rows_max = min(128, cache_k.shape[0] - 2)
+    rows_max = min(128, cache_k.shape[0] - 1)  # the last slot is the scratch
     heads, kv_heads, dim = m.n_heads, m.n_kv_heads, m.head_dim
     current = (m.split_len, attention.BLOCK_N, attention.WARPS, attention.STAGES)
 
@@ -1180,6 +1180,8 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
                          programs=p) for p in (1, 2, 4, 8, 16)]
         results[f"{rows} rows, programs"] = timed(f"{rows} rows, P", programs, kv_bytes, call)
     chunk = 256
+    if cache_k.shape[0] <= 64 or cache_k.shape[2] < 768:
+        return results  # no room for the mixed step's 64 rows of up to 768 positions and a chunk
     slots = torch.tensor([*range(64), *[64] * chunk], device=dev)
     lengths = torch.tensor([128 + (i * 37) % 641 for i in range(64)] + list(range(1, chunk + 1)),
                            device=dev)

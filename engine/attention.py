@@ -123,14 +123,18 @@ def chunk_tokens(group: int) -> int:
 def chunk_groups(n_decode: int, chunk_sizes: Sequence[int], tokens: int, size: int) -> np.ndarray:
     """A mixed step's groups of rows for the attention, (2, size) int64: each group's first
     row and its number of rows. Each decode row alone, then each chunk's rows `tokens` at a
-    time; empty groups after."""
+    time, then each padding row of the bucket alone (so that no row's output is left
+    uninitialised); empty groups after."""
     starts = n_decode + np.cumsum([0, *chunk_sizes], dtype=np.int64)[:-1]
+    rows = n_decode + sum(chunk_sizes)
     firsts = np.concatenate([np.arange(n_decode, dtype=np.int64),
                              *(np.arange(a, a + n, tokens, dtype=np.int64)
-                               for a, n in zip(starts, chunk_sizes, strict=True))])
+                               for a, n in zip(starts, chunk_sizes, strict=True)),
+                             np.arange(rows, size, dtype=np.int64)])
     ends = np.concatenate([np.arange(1, n_decode + 1, dtype=np.int64),
                            *(np.minimum(np.arange(a, a + n, tokens, dtype=np.int64) + tokens, a + n)
-                             for a, n in zip(starts, chunk_sizes, strict=True))])
+                             for a, n in zip(starts, chunk_sizes, strict=True)),
+                           np.arange(rows + 1, size + 1, dtype=np.int64)])
     out = np.zeros((2, size), dtype=np.int64)
     out[0, : firsts.size], out[1, : firsts.size] = firsts, ends - firsts
     return out
@@ -150,7 +154,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     shared: rows may share a slot (a prefill chunk fed as rows, one token each, beside the
     decode rows: a mixed step), so a row attends to keys that other rows bring. Every new
     key and value is then stored first, by a kernel of its own, and the attention reads
-    them all from the cache. groups (chunk_groups, CUDA): the rows that attend together."""
+    them all from the cache. groups (chunk_groups, CUDA): the rows that attend together, at
+    most chunk_tokens a group (not checked on the device: the host lays them out)."""
     if q.is_cuda and split_len:
         return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len, rope=rope,
                               shared=shared, groups=groups)
@@ -253,7 +258,9 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     n_splits = -(-k_cache.shape[2] // split_len)
-    assert groups is None or shared, "rows grouped only where they share slots"
+    assert groups is None or (shared and groups.shape[1] == rows), \
+        "groups: a mixed step's (chunk_groups), as wide as its rows"
+    assert split_len % block_n == 0, "a split is whole tiles"
     tokens = (tokens or chunk_tokens(group)) if groups is not None else 1
     n_groups = groups.shape[1] if groups is not None else rows
     programs = programs or programs_per_row(n_groups * kv_heads, n_splits)

@@ -159,12 +159,15 @@ def test_varlen_keys_are_each_chunks_slot_prefix():
 
 @pytest.mark.parametrize("tokens", [1, 3, 9])
 def test_a_mixed_steps_attention_groups_are_decode_rows_alone_and_runs_of_each_chunk(tokens):
-    """Every row in one group: each decode row alone, each chunk's rows in runs of at most
-    `tokens` that never cross into the next chunk (the rows of a group share a slot);
-    the groups after them are empty."""
+    """Every row of the bucket in one group: each decode row alone, each chunk's rows in runs
+    of at most `tokens` that never cross into the next chunk (the rows of a group share a
+    slot), each padding row alone; the groups after them are empty."""
     n_decode, sizes, size = 3, [5, 1, 0, 9], 24
     groups = chunk_groups(n_decode, sizes, tokens, size)
-    owner = np.repeat(np.arange(-n_decode, len(sizes)), [1] * n_decode + sizes)  # decode rows < 0
+    padding = size - n_decode - sum(sizes)
+    # decode and padding rows own themselves (negative), a chunk's rows their chunk
+    owner = np.concatenate([-1 - np.arange(n_decode), np.repeat(np.arange(len(sizes)), sizes),
+                            -100 - np.arange(padding)])
     seen = []
     for first, count in groups.T:
         if count:
@@ -172,8 +175,8 @@ def test_a_mixed_steps_attention_groups_are_decode_rows_alone_and_runs_of_each_c
             assert count <= (1 if owner[first] < 0 else tokens)
             assert len({owner[r] for r in rows}) == 1
             seen += rows
-    assert seen == list(range(n_decode + sum(sizes)))
-    used = n_decode + sum(-(-n // tokens) for n in sizes)
+    assert seen == list(range(size))
+    used = n_decode + sum(-(-n // tokens) for n in sizes) + padding
     assert (groups[1, :used] > 0).all() and not groups[:, used:].any()
 
 
