@@ -9,18 +9,20 @@ Decode takes the step's new keys and values with the queries, like flash-attn's
 slot and attends over the first `length` positions.
 
 Decode, on CUDA: a Triton flash-decoding kernel. Each row's positions are cut into splits
-of a fixed `split_len` (fixed per cache, never per batch); a program per (row, kv head)
-and one of P per row computes a partial softmax of each of its splits for the whole group
-of query heads sharing that kv head (P falls as rows grow: enough programs to fill the
-device, each pipelining several splits), and a second kernel merges the splits. The
-program whose split holds the new position stores the new key and value there and uses
-them from registers, so the cache write costs no kernel of its own (two index kernels per
-layer did before: 4% of a batch-1 step), except in a mixed step, where rows share a slot
-and a small kernel stores them all first. The work of a row depends only on its own
-length, so a row's result never depends on the rest of the batch, and the grid is static,
-so the kernels are captured in the decode step's CUDA graph. flash-attn's
-`flash_attn_with_kvcache` would do the same job; it is not used because it is not
-installable on every target (no wheel for this torch), and this kernel reads the same bytes.
+of a fixed `split_len` (fixed per cache, never per batch). Each (row, kv head) runs in P
+programs, program j taking the row's splits j, j + P, ... (P falls as rows grow: enough
+programs to fill the device, each pipelining several splits); a program computes a partial
+softmax of each of its splits for the whole group of query heads sharing that kv head, and
+a second kernel merges the splits. In a mixed step a program takes two tokens of a prefill
+chunk (`chunk_groups`), which share their keys. The program whose split holds the new
+position stores the new key and value there and uses them from registers, so the cache
+write costs no kernel of its own (two index kernels per layer did before: 4% of a batch-1
+step), except in a mixed step, where rows share a slot and a small kernel stores them all
+first. The work of a row depends only on its own length, so a row's result never depends
+on the rest of the batch, and the grid is static, so the kernels are captured in the decode
+step's CUDA graph. flash-attn's `flash_attn_with_kvcache` would do the same job; it is not
+used because it is not installable on every target (no wheel for this torch), and this
+kernel reads the same bytes.
 
 Decode, on the CPU: one SDPA per row over exactly its own length, in the order the
 batch-invariant path has always used.
@@ -56,12 +58,12 @@ try:
 except ImportError:  # no Triton, or one before 3.3: kernels launched one after the other
     gdc_launch_dependents = gdc_wait = None
 
-# The split kernel's tile: positions per iteration, warps, pipeline stages (a mixed step's:
-# its chunk rows have many splits to pipeline; 67 against 80 us a layer, 64 decode rows
-# and a 256-token chunk)
-# (`bench_gpu.py --phases profile` times the alternatives on the device).
-# On an H200 (Qwen2-7B shape, 1024 positions a slot) the fastest over 1, 64 and 128 rows;
-# one stage: nothing to pipeline in a split of one or two tiles, and more programs fit.
+# The split kernel's tile: positions per iteration, warps, pipeline stages; and a mixed
+# step's stages (`bench_gpu.py --phases profile` times the alternatives on the device).
+# On an H200 (Qwen2-7B shape, 1024 positions a slot) the fastest over 1, 64 and 128 rows:
+# one stage, a decode row's program having a split or two to load; two in a mixed step,
+# whose chunk rows' programs have many (64 decode rows and a 256-token chunk: 67 against
+# 80 us a layer).
 BLOCK_N, WARPS, STAGES, SHARED_STAGES = 64, 4, 1, 2
 # The programs a launch aims at (programs_per_row). On an H200, against a program per
 # split: 64 rows 32.6 against 34.5 us a layer, 128 rows 59.6 against 65.4, a mixed step of
