@@ -407,9 +407,9 @@ class ModelRunner:
             self.model.decode(zero, zero, zero + scratch)
         if self.mixed_tokens:  # a chunk's two rows, sharing a slot and attending together
             pair = torch.zeros(2, dtype=torch.long, device=self.device)
-            group = torch.tensor([[0, 0], [2, 0]], device=self.device)
+            groups = torch.from_numpy(chunk_groups(0, [2], self.model.chunk_tokens, 2))
             self.model.decode(pair, torch.arange(2, device=self.device), pair + scratch, pair[:1],
-                              group)
+                              groups.to(self.device))
         torch.cuda.synchronize()
 
     def healthy(self) -> bool:

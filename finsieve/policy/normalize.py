@@ -158,7 +158,7 @@ class Normalizer:
             self.raw_end.extend(range(d + 1, self.decoded_len + 1))
             self.tags += tags
             return new
-        head = self.pending if held else b""
+        head = self.pending  # what `held` counts
         chars = self._decoder.decode(data)
         for ch, size in zip(chars, self._raw_sizes(chars, head, data), strict=True):
             start = self.decoded_len
