@@ -101,8 +101,8 @@ async def _create_direct(args: argparse.Namespace) -> int:
 
     settings = Settings.load({"state_dir": args.state_dir})
     if not settings.redis_url:
-        raise ConfigError("--direct: set FINSIEVE_REDIS_URL (with the embedded default, use the "
-                          "development admin key instead)")
+        raise ConfigError("--direct: set FINSIEVE_REDIS_URL or FINSIEVE_REDIS_URL_FILE (with the "
+                          "embedded default, use the development admin key instead)")
     if problem := new_key_problem(args.tenant, args.role, args.name, args.expires, args.all_tenants):
         raise ConfigError(f"--{problem[0].replace('_', '-')}: {problem[1]}")
     keys_secret = read_secret(Path(settings.keys_secret_file or settings.state_path / "keys.secret"),

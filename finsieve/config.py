@@ -39,6 +39,10 @@ class Settings:
     max_rollbacks: int = _setting(8, "rollbacks (SAR) per request before it halts")
     state_dir: str = _setting(".finsieve", "state: converted model, embedded Valkey data")
     redis_url: str = _setting("", "Redis/Valkey URL; empty = start an embedded Valkey")
+    redis_url_file: str = _setting(
+        "", "file (mode 600) holding the Redis/Valkey URL, password included: read at start, so "
+        "the password is in no process's environment (/proc/<pid>/environ keeps a variable "
+        "even after the process unsets it); instead of FINSIEVE_REDIS_URL")
     audit_key_file: str = _setting(
         "", "file (mode 600, >= 32 bytes) holding the audit chain's HMAC key; empty = "
         "<state dir>/audit.key, made on first start")
@@ -169,6 +173,11 @@ class Settings:
         for name, value in (overrides or {}).items():
             if value is not None:
                 values[name] = _parse(name, hints[name], value, f"--{name.replace('_', '-')}")
+        if values.get("redis_url_file"):
+            if values.get("redis_url"):
+                raise ConfigError("FINSIEVE_REDIS_URL_FILE: set it or FINSIEVE_REDIS_URL, not both")
+            # Resolved once: the settings hold the URL (as a child process gets them).
+            values["redis_url"] = _read_url(Path(values.pop("redis_url_file")))
         settings = cls(**values)
         settings.validate()
         return settings
@@ -225,6 +234,17 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+def _read_url(path: Path) -> str:
+    from finsieve.secretfiles import read_secret  # it imports this module
+
+    data = read_secret(path, "FINSIEVE_REDIS_URL_FILE", min_bytes=1)
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ConfigError(f"FINSIEVE_REDIS_URL_FILE {path}: not a URL (percent-encode "
+                          "characters outside ASCII)") from None
 
 
 def _validate_frame_limit(s: Settings) -> None:

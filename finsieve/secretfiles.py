@@ -41,8 +41,9 @@ def write_private(path: Path, data: str) -> None:
         raise
 
 
-def read_secret(path: Path, setting: str) -> bytes:
-    """A secret file's content, refused when missing, loosely permitted, empty or short.
+def read_secret(path: Path, setting: str, min_bytes: int = MIN_SECRET_BYTES) -> bytes:
+    """A secret file's content, refused when missing, loosely permitted, empty or shorter
+    than min_bytes (a key's; a URL holding a password may be shorter).
 
     The message names the setting and the file, never the content."""
     where = f"{setting} {path}"
@@ -58,15 +59,15 @@ def read_secret(path: Path, setting: str) -> bytes:
         raise ConfigError(f"{where}: readable or writable by group or others "
                           f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`")
     if st.st_size > MAX_SECRET_BYTES:
-        raise ConfigError(f"{where}: larger than {MAX_SECRET_BYTES} bytes: not a key file")
+        raise ConfigError(f"{where}: larger than {MAX_SECRET_BYTES} bytes: not a secret file")
     try:
         data = path.read_bytes().strip()
     except OSError as e:
         raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
     if not data:
         raise ConfigError(f"{where}: the file is empty")
-    if len(data) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{where}: holds {len(data)} bytes, at least {MIN_SECRET_BYTES} are "
+    if len(data) < min_bytes:
+        raise ConfigError(f"{where}: holds {len(data)} bytes, at least {min_bytes} are "
                           f"needed (e.g. `openssl rand -hex 32 > {path}`)")
     return data
 

@@ -313,12 +313,21 @@ def test_limits_are_shared_by_two_gateways(tmp_path, shared_valkey):
             "FINSIEVE_AUDIT_KEY_FILE": str(secrets_dir / "audit.key")}
     (tmp_path / "limits.yaml").write_text("tenants:\n  t-rate: {requests_per_s: 0.01}\n"
                                           "  t-streams: {concurrent_streams: 1}\n")
+    # Gateway b reads the URL from a file: its password is then in no process's environment.
+    (secrets_dir / "redis.url").write_text(url)
+    (secrets_dir / "redis.url").chmod(0o600)
+    env_b = {"FINSIEVE_REDIS_URL": "", "FINSIEVE_REDIS_URL_FILE": str(secrets_dir / "redis.url"),
+             **{k: v for k, v in env.items() if k != "FINSIEVE_REDIS_URL"}}
     gateways = []
-    for name in ("a", "b"):
+    for name, env_of in (("a", env), ("b", env_b)):
         (tmp_path / name).mkdir()
         gateways.append(start_server(tmp_path / name, "--role", "gateway", "--engine",
                                      f"127.0.0.1:{free_port()}", "--limits-file",
-                                     str(tmp_path / "limits.yaml"), env=env))
+                                     str(tmp_path / "limits.yaml"), env=env_of))
+    b_pid = gateways[1].process.pid
+    processes = [b_pid, *map(int, Path(f"/proc/{b_pid}/task/{b_pid}/children").read_text().split())]
+    for pid in processes:  # the gateway and its officers' process
+        assert shared_valkey.password.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
     try:
         keys = {}
         for tenant in ("t-rate", "t-streams"):  # no admin key exists yet: the bootstrap path

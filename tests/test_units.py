@@ -105,6 +105,26 @@ def test_bad_settings_name_the_setting(env, message):
         Settings.load(env=env)
 
 
+def test_the_redis_url_is_read_from_a_private_file(tmp_path):
+    url = "rediss://:hunter2@redis:6380/0"
+    path = tmp_path / "redis.url"
+    path.write_text(url + "\n")
+    path.chmod(0o600)
+    assert Settings.load(env={"FINSIEVE_REDIS_URL_FILE": str(path)}).redis_url == url
+    with pytest.raises(ConfigError, match="set it or FINSIEVE_REDIS_URL, not both"):
+        Settings.load(env={"FINSIEVE_REDIS_URL_FILE": str(path), "FINSIEVE_REDIS_URL": url})
+    path.chmod(0o644)
+    with pytest.raises(ConfigError) as err:
+        Settings.load(env={"FINSIEVE_REDIS_URL_FILE": str(path)})
+    assert "FINSIEVE_REDIS_URL_FILE" in str(err.value) and "chmod 600" in str(err.value)
+    assert "hunter2" not in str(err.value)
+    path.write_bytes("redis://:pässword@redis/0".encode())
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="not a URL") as err:
+        Settings.load(env={"FINSIEVE_REDIS_URL_FILE": str(path)})
+    assert "pässword" not in str(err.value)
+
+
 def _delta(rid: str, text: str):
     from finsieve.v1 import chat_pb2
 
