@@ -1152,7 +1152,8 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
             except Exception as e:  # a tile the compiler refuses: skip it
                 print(f"  attention {label} {config}: {e!r:.120}", flush=True)
                 continue
-            timings.append({**config, "us": us,
+            shown = {k: v for k, v in config.items() if not isinstance(v, torch.Tensor)}
+            timings.append({**shown, "us": us,
                             "of_copy": kv_bytes / (us / 1e6) / bandwidth if bandwidth else None})
         timings.sort(key=lambda t: t["us"])
         for t in timings[:3]:
@@ -1176,8 +1177,11 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
         tiles = [dict(split_len=sl, block_n=bn, warps=w, stages=st) for sl, bn, w, st in
                  itertools.product((64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)) if bn <= sl]
         results[f"{rows} rows"] = timed(f"{rows} rows", tiles, kv_bytes, call)
-        programs = [dict(zip(("split_len", "block_n", "warps", "stages"), current, strict=True),
-                         programs=p) for p in (1, 2, 4, 8, 16)]
+        # P programs a row with the current tile, and with longer splits or two stages (a
+        # program then has several tiles to pipeline)
+        programs = [dict(split_len=sl, block_n=current[1], warps=current[2], stages=st, programs=p)
+                    for sl, st, p in itertools.product((current[0], 2 * current[0]), (1, 2),
+                                                       (1, 2, 4, 8, 16))]
         results[f"{rows} rows, programs"] = timed(f"{rows} rows, P", programs, kv_bytes, call)
     chunk = 256
     if cache_k.shape[0] <= 64 or cache_k.shape[2] < 768:
@@ -1199,10 +1203,7 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
         return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths, m.split_len,
                                         rope=(m.cos, m.sin), shared=True, tokens=tokens, **config)
 
-    found = timed("64 rows + 256 chunk", configs, kv_bytes, mixed)
-    for t in found["all"]:
-        t.pop("groups", None)
-    results["mixed"] = found
+    results["mixed"] = timed("64 rows + 256 chunk", configs, kv_bytes, mixed)
     return results
 
 
