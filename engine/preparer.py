@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
@@ -63,7 +63,6 @@ class Message(NamedTuple):
 class Prepared:
     ids: list[int]  # the prompt the model reads: the input rules' spans replaced
     verdict: InputVerdict
-    regex_timeouts: tuple[str, ...] = ()  # rule ids whose searches timed out in a worker
 
 
 def prepare(tokenizer: Any, max_context: int, rules: RuleSet, messages: list[Message]) -> Prepared:
@@ -144,14 +143,15 @@ class Preparer:
         result = self._call(pool, deadline, messages, key, None)
         if isinstance(result, str):  # NEED_RULES: this worker has not seen the version
             result = self._call(pool, deadline, messages, key, rules.rules)
-        if isinstance(result, RequestError):
-            raise result
-        if isinstance(result, _Failed):
-            log.error("a request preparation worker failed a request", error=result.error)
-            raise RequestError(grpc.StatusCode.INTERNAL, "the engine could not prepare this request")
-        for rule_id in result.regex_timeouts:  # counted where the metrics are served
+        outcome, timed_out = result
+        for rule_id in timed_out:  # counted where the metrics are served, whatever the outcome
             REGEX_TIMEOUTS.labels(rule_id).inc()
-        return result
+        if isinstance(outcome, RequestError):
+            raise outcome
+        if isinstance(outcome, _Failed):
+            log.error("a request preparation worker failed a request", error=outcome.error)
+            raise RequestError(grpc.StatusCode.INTERNAL, "the engine could not prepare this request")
+        return outcome
 
     def _call(self, pool: concurrent.futures.ProcessPoolExecutor, deadline: float,
               *args: Any) -> Any:
@@ -251,9 +251,11 @@ def _ready() -> int:
     return os.getpid()
 
 
-def _prepare(messages: list[Message], key: tuple[str, float],
-             rules: tuple[Rule, ...] | None) -> Prepared | RequestError | _Failed | str:
-    """key: the policy version and the regex timeout its rules run under."""
+def _prepare(messages: list[Message], key: tuple[str, float], rules: tuple[Rule, ...] | None
+             ) -> tuple[Prepared | RequestError | _Failed, tuple[str, ...]] | str:
+    """key: the policy version and the regex timeout its rules run under. The outcome and
+    the rule ids whose searches timed out meanwhile (a refused request's too: its input
+    scan ran before the refusal); NEED_RULES if this worker lacks the version's rules."""
     w = _worker
     assert w is not None
     if rules is not None and key not in w.rules:
@@ -265,14 +267,14 @@ def _prepare(messages: list[Message], key: tuple[str, float],
         return NEED_RULES
     w.rules.move_to_end(key)
     before = _timeouts()
+    outcome: Prepared | RequestError | _Failed
     try:
-        prepared = prepare(w.tokenizer, w.max_context, compiled, messages)
+        outcome = prepare(w.tokenizer, w.max_context, compiled, messages)
     except RequestError as e:
-        return e
+        outcome = e
     except Exception as e:
-        return _Failed(type(e).__name__)
-    timed_out = _timeouts() - before
-    return replace(prepared, regex_timeouts=tuple(timed_out.elements())) if timed_out else prepared
+        outcome = _Failed(type(e).__name__)
+    return outcome, tuple((_timeouts() - before).elements())
 
 
 def _timeouts() -> Counter[str]:

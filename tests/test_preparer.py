@@ -202,6 +202,14 @@ def test_regex_timeouts_in_a_worker_are_counted_here(tokenizer, tmp_path: Path) 
     prepared = preparer.prepare([Message("user", "a" * 60 + "b")], pack.input, pack.version)
     assert count() > before
     assert [i.rule_id for i in prepared.verdict.events] == ["slow-input"]  # failed closed
+    # Refused after its scan (the redacted prompt no longer fits the context): still counted.
+    (tmp_path / "p.yaml").write_text((tmp_path / "p.yaml").read_text().replace(
+        "'[X]'", "'" + "[X] " * 400 + "'"))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.001))
+    before = count()
+    with pytest.raises(RequestError, match="the context holds 512 tokens"):
+        preparer.prepare([Message("user", "a" * 60 + "b")], pack.input, pack.version)
+    assert count() > before
     preparer.close()
 
 
