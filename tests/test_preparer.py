@@ -140,10 +140,10 @@ def test_a_dead_worker_fails_only_the_requests_in_flight(tokenizer) -> None:
 
 def test_a_hung_worker_times_out_its_request_and_is_replaced(tokenizer, monkeypatch) -> None:
     served_timeout = preparer_module.TIMEOUT_S
-    monkeypatch.setattr(preparer_module, "TIMEOUT_S", 2.0)
     pack = Pack.load(REPO / "rules")
     preparer = Preparer(tokenizer, 512, workers=1)
-    preparer.wait_ready()
+    preparer.wait_ready()  # under the served timeout: a worker's start-up is not a hang
+    monkeypatch.setattr(preparer_module, "TIMEOUT_S", 2.0)
     (pid,) = preparer._pool._processes  # type: ignore[union-attr]
     os.kill(pid, signal.SIGSTOP)
     start = time.monotonic()
