@@ -128,7 +128,8 @@ class Guard:
         before = self.matcher.norm.raw_len
         data = self._bytes(token)
         found = self.matcher.feed(data)
-        if exact_mask and any(m.rule.action == "block" and m.rule.kind == "literal" for m in found):
+        if exact_mask and found and any(m.rule.action == "block" and m.rule.kind == "literal"
+                                        for m in found):
             self.matcher.rollback(len(self.tokens))
             masks = self.policy.masks
             if masks is not None and masks.is_banned(self.matcher, token, data):
@@ -157,6 +158,8 @@ class Guard:
         return self.token_bytes[token] if token < len(self.token_bytes) else b""
 
     def _decide(self, found: list[Match], before: int, resample_ok: bool) -> Decision:
+        if not found:  # most tokens
+            return ACCEPT
         acting = [m for m in found if m.rule.action != "redact"]
         if not acting:
             return ACCEPT

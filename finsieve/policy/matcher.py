@@ -190,6 +190,8 @@ class StreamMatcher:
 
     def render(self, start: int, end: int) -> str:
         """Raw text between byte offsets, with every redact/rewrite match replaced."""
+        if not self.matches:  # most answers
+            return self.raw[start:end].decode("utf-8", "replace") if start < end else ""
         out, pos = [], start
         for m in sorted(self.matches, key=lambda m: m.start):
             if m.rule.action not in ("redact", "rewrite") or m.end <= pos or m.start >= end:
@@ -325,18 +327,12 @@ class StreamMatcher:
         return m
 
     def _snapshot(self) -> _Checkpoint:
+        # One per token: positional, and no tuple built for the (usually) empty dict.
         norm = self.norm
-        return _Checkpoint(
-            raw_len=norm.raw_len,
-            decoded_len=norm.decoded_len,
-            pending=norm.pending,
-            n_norm=len(norm.text),
-            last_end=norm.raw_end[-1] if norm.raw_end else 0,
-            space=norm.space,
-            depth=self.depth,
-            in_making=tuple(self._in_making.items()),
-            n_matches=len(self.matches),
-        )
+        return _Checkpoint(norm.raw_len, norm.decoded_len, norm.pending, len(norm.text),
+                           norm.raw_end[-1] if norm.raw_end else 0, norm.space, self.depth,
+                           tuple(self._in_making.items()) if self._in_making else (),
+                           len(self.matches))
 
 
 def scan_text(rules: RuleSet, text: str) -> list[Match]:
