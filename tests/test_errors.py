@@ -190,12 +190,14 @@ def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_d
         import grpc as g
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from finsieve.client import Credentials
+        from finsieve.client import READY_CHANNEL_OPTIONS, Credentials
 
         tls = Credentials(tls_ca=(certs / "ca.pem").read_bytes())
 
         async def engine_up() -> bool:
-            async with tls.channel(f"127.0.0.1:{engine_port}") as ch:
+            # Reconnecting as often as it polls: the engine is seen once it serves, not after
+            # gRPC's reconnect backoff (see finsieve.client.wait_ready).
+            async with tls.channel(f"127.0.0.1:{engine_port}", READY_CHANNEL_OPTIONS) as ch:
                 for _ in range(600):
                     try:
                         r = await health_pb2_grpc.HealthStub(ch).Check(
