@@ -474,19 +474,49 @@ def test_rules_scan_cli_finds_split_patterns():
     assert text[card["start"] : card["end"]] == "4111 1111 1111 1111"
 
 
-def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_it_out():
+# Digits of three scripts (\\d takes them all), the letters of country codes and rule words,
+# separators: where the default packs' identifiers and projections begin and end.
+_NEAR_MATCHES = "0123456789\u0663\u09e8 abcdeginorstuy-./%#:"
+
+
+@settings(max_examples=400, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(st.text(alphabet=_NEAR_MATCHES, max_size=24))
+def test_the_first_characters_never_rule_out_a_match_of_the_default_packs(text):
+    """Wherever a default pack's regex has a match, or one in the making, beginning at a
+    position, its prefix filter lets it begin there (a skipped search is a leak)."""
     from finsieve.policy.first_chars import first_chars
 
+    for rules in (DEFAULT.output, DEFAULT.input):
+        for r in rules.regexes:
+            f = first_chars(r.pattern.pattern)
+            if f is None:
+                continue
+            for j in range(len(text)):
+                m = r.pattern.match(text, pos=j, partial=True)
+                if m is not None and m.end() > j:
+                    assert f.can_begin(text[j:]), (r.rule.id, text[j:])
+
+
+def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_it_out():
+    from finsieve.policy.first_chars import DIGIT, first_chars
+
     iban = first_chars(r"(?<![a-z0-9])(?:gb|de)\d{2}[a-z0-9]{11,30}")
-    assert iban is not None and iban.prefixes == {"gb", "de"}
-    assert iban.can_begin("g") and iban.can_begin("gb8") and not iban.can_begin("the")
+    assert iban is not None and iban.prefixes == {"gb" + DIGIT, "de" + DIGIT}
+    assert iban.can_begin("g") and iban.can_begin("gb") and iban.can_begin("gb8")
+    assert iban.can_begin("de\u0663")  # an Arabic-Indic three is a digit to \d
+    assert not iban.can_begin("the") and not iban.can_begin("gbp") and not iban.can_begin("de ")
     assert iban.can_follow(" ") and iban.can_follow("中") and not iban.can_follow("x")
     assert not iban.can_follow("7")
     phrase = first_chars(r"\b(?:annual|yearly) (?:returns?|yields?)")
     assert phrase is not None and phrase.prefixes == {"ann", "yea"} and phrase.can_follow("x")
     assert first_chars(r"a{0,2}z").prefixes == {"aaz", "az", "z"}
-    assert first_chars(r"(?:a\d|bc)x").prefixes == {"a", "bcx"}  # "a", then a digit
-    assert first_chars(r"\d+a").prefixes is None
+    assert first_chars(r"(?:a\d|bc)x").prefixes == {"a" + DIGIT + "x", "bcx"}
+    assert first_chars(r"\d+a").prefixes == {DIGIT * 3, DIGIT * 2 + "a", DIGIT + "a"}
+    assert first_chars(r"[0-3]7").prefixes == {DIGIT * 2}  # digits written out read as one
+    for other in (r"[^\d]a", r"\Da"):  # every character but a digit: no prefixes
+        f = first_chars(other)
+        assert f is None or f.prefixes is None
     # Case as the engine matches it: İ matches the text's i, I also its ı.
     dotted = first_chars("\u0130x")
     assert dotted is not None and "i" in dotted and dotted.prefixes == {"ix"}
