@@ -25,6 +25,16 @@ from finsieve.policy.schema import PackError
 from finsieve.policy.sources import PackLimits
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
+# torch's CPU threads (OpenMP) spin at each of a step's hundreds of barriers by default. On
+# this suite's 2-core machines a thread that spins keeps a core from the one it waits for
+# whenever anything else runs: the client, a server's gateway threads, another server, a CI
+# neighbour. One busy process beside the in-process engine made a decode step 3.6x slower
+# (10 tokens: 1.16 s -> 4.18 s), 0.2 -> 2.0 s a token beside a neighbour's test run; waiting
+# passively, 1.3 s idle and 1.9 s beside the busy process. Set before torch is imported,
+# here and in every server the tests start (they inherit the environment); the same
+# threads compute the same results either way.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = Path(__file__).resolve().parents[1]
 # The converted default model is prepared once by `make setup` and shared by all tests.
 MODEL_STATE = REPO / ".finsieve"
