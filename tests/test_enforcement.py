@@ -2,6 +2,10 @@
 
 Every zero-leak case first shows that, with rules off, the model does say the forbidden
 thing (the test has teeth); then that, with rules on, the delivered text has no violation.
+The cases' answers, with rules off and on, are decoded together in one batch (on the CPU a
+decode step costs the same for one row as for eight, see engine/model.py): an answer does
+not depend on what else the batch holds (test_streaming.py, and below a rollback changes
+nothing for the other sequences), so each is the one it would be alone.
 """
 
 from __future__ import annotations
@@ -71,18 +75,45 @@ def ask(engine: LLMEngine, prompt: str, max_tokens: int = 40) -> list:
     return engine.generate(chat_request("z", prompt, max_tokens=max_tokens))
 
 
+def decode_together(engine: LLMEngine, asks: list[tuple[Policy, str]], max_tokens: int = 40) -> list[list]:
+    """Each (policy, prompt)'s events, as ask() gives them, all decoded in one batch (the
+    engine takes max_batch at a time, the rest wait for a slot). A sequence keeps the policy
+    it was prepared under, as a served request keeps the pack it started with."""
+    from finsieve.engine.engine import CollectingSink
+
+    sinks = [CollectingSink() for _ in asks]
+    try:
+        for i, ((policy, prompt), sink) in enumerate(zip(asks, sinks, strict=True)):
+            engine.policy = lambda policy=policy: policy
+            engine.submit(engine.prepare(chat_request(f"z{i}", prompt, max_tokens=max_tokens), sink))
+        while not all(s.finished for s in sinks):
+            engine.step()
+    finally:
+        engine.policy = lambda: NO_POLICY
+    return [s.events for s in sinks]
+
+
+@pytest.fixture(scope="module")
+def zero_leak_answers(engine, default_policy) -> dict[str, tuple[list, list]]:
+    """Each zero-leak case's events with rules off and with the default packs."""
+    cases = list(ZERO_LEAK)
+    answers = decode_together(engine, [(policy, ZERO_LEAK[case]) for policy in (NO_POLICY, default_policy)
+                                       for case in cases])
+    return {case: (answers[i], answers[len(cases) + i]) for i, case in enumerate(cases)}
+
+
 def violations(policy: Policy, text: str, actions: tuple[str, ...]) -> list[str]:
     return [m.rule.id for m in scan_text(policy.pack.output, text) if m.rule.action in actions]
 
 
 @pytest.mark.parametrize("case", list(ZERO_LEAK))
-def test_zero_leak(under, default_policy, case):
-    prompt = ZERO_LEAK[case]
-    unfiltered = text_of(ask(under(NO_POLICY), prompt))
+def test_zero_leak(zero_leak_answers, default_policy, case):
+    off, events = zero_leak_answers[case]
+    unfiltered = text_of(off)
+    assert off[0].started.policy_version == NO_POLICY.version
     assert violations(default_policy, unfiltered, ("block", "halt", "redact")), \
         f"no teeth: the model did not say it without rules: {unfiltered!r}"
 
-    events = ask(under(default_policy), prompt)
     delivered = text_of(events)
     assert events[0].started.policy_version == default_policy.version
     assert not violations(default_policy, delivered, ("block", "halt", "redact")), delivered
