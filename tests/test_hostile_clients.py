@@ -49,14 +49,23 @@ async def until_generating(s: ChatStream, *request_ids: str) -> None:
         assert e.WhichOneof("event") not in ("error", "finished"), e
 
 
+def _varint_len(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
 def frame_of_size(size: int) -> bytes:
     """A ChatClientMessage of exactly `size` bytes: a one- or two-character id (whichever
-    makes the size come out) and empty messages."""
+    makes the size come out) and empty messages. The count is found by the wire format's
+    arithmetic (building one 8 MiB candidate takes ~1 s), the frame built once."""
     for request_id in ("x", "xy"):
         for n in range(size // 2 - 8, size // 2 + 1):
-            data = chat_pb2.ChatClientMessage(request=chat_pb2.ChatRequest(
-                request_id=request_id, messages=[chat_pb2.Message()] * n)).SerializeToString()
-            if len(data) == size:
+            # ChatRequest: the id's tag, length and bytes; each empty message its tag and a
+            # zero length. ChatClientMessage: the request's tag and length, then the request.
+            request = 2 + len(request_id) + 2 * n
+            if 1 + _varint_len(request) + request == size:
+                data = chat_pb2.ChatClientMessage(request=chat_pb2.ChatRequest(
+                    request_id=request_id, messages=[chat_pb2.Message()] * n)).SerializeToString()
+                assert len(data) == size, (len(data), size)
                 return data
     raise AssertionError(f"no frame of {size} bytes")
 
