@@ -476,7 +476,14 @@ TIGHT_LIMITS = PackLimits(max_bytes=int(TIGHT_ENV["FINSIEVE_RULES_MAX_BYTES"]))
 def apply(tight_server: TightServer, change) -> engine_pb2.EngineInfo:
     """Change the running server's rules directory and wait until its engine shows the outcome
     the same loader gives here: the new version in force, or one more rejection."""
-    before = tight_server.engine_info()
+    return reload(tight_server, change)[0]
+
+
+def reload(tight_server: TightServer, change,
+           before: engine_pb2.EngineInfo | None = None) -> tuple[engine_pb2.EngineInfo, str | None]:
+    """apply(), given the engine's Info from before the change if the caller has it; also
+    returns the version the loader here gives the directory (None: it rejects it)."""
+    before = before or tight_server.engine_info()
     change()
     try:
         expected = Pack.load(tight_server.rules, TIGHT_LIMITS).version
@@ -489,8 +496,10 @@ def apply(tight_server: TightServer, change) -> engine_pb2.EngineInfo:
             return info.pack_rejections > before.pack_rejections
         return info.policy_version == expected
 
-    assert wait_for(seen, 60)
-    return tight_server.engine_info()
+    # Polled often: the outcome is there ~30 ms after the change (the watcher's 20 ms step,
+    # then the compile), and the fuzzer waits for a thousand of them.
+    assert wait_for(seen, 60, every=0.005)
+    return tight_server.engine_info(), expected
 
 
 def canary_halts(tight_server) -> bool:
