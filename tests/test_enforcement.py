@@ -11,7 +11,6 @@ nothing for the other sequences), so each is the one it would be alone.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import scan_text
 from finsieve.v1 import chat_pb2
 
-from conftest import ChatStream, kinds, start_server, text_of
+from conftest import ChatStream, apply, kinds, start_server, text_of
 
 REPO = Path(__file__).resolve().parents[1]
 OK_FINISH = (chat_pb2.FINISH_REASON_STOP, chat_pb2.FINISH_REASON_LENGTH)
@@ -244,16 +243,15 @@ def test_a_rollback_changes_nothing_for_the_other_sequences(under, default_polic
     assert text_of(sinks["clean"].events) == alone
 
 
-def test_served_stream_hides_suppressed_text_and_reload_applies_to_new_requests_only(
-        tmp_path, default_model_dir):
-    rules = tmp_path / "rules"
-    shutil.copytree(REPO / "rules", rules)
-    srv = start_server(tmp_path, "--model", str(default_model_dir), "--rules", str(rules),
-                       "--luts", str(tmp_path / "luts"))
+def test_served_stream_hides_suppressed_text_and_reload_applies_to_new_requests_only(tight_server):
+    """On the shared server with small bounds (a server of its own cost ~10 s to start): a
+    pack is added to its rules directory, and removed again, waiting until the engine has
+    the base rules back."""
+    rules = tight_server.rules
     story = "Write a long story about a small bank in a village."
 
     async def go():
-        async with ChatStream(srv.target) as s:
+        async with ChatStream(tight_server.target) as s:
             s.send(chat_request("old", story, max_tokens=60))
             first = await s.next()
             while (await s.next()).WhichOneof("event") != "delta":
@@ -275,16 +273,16 @@ def test_served_stream_hides_suppressed_text_and_reload_applies_to_new_requests_
     try:
         first, new_version, done = asyncio.run(go())
     finally:
-        srv.stop()
+        apply(tight_server, lambda: (rules / "extra.yaml").unlink(missing_ok=True))
     assert new_version != first.started.policy_version
     old, after = done["old"], done["after"]
     assert "bank" in text_of(old).lower()  # in flight: kept the pack it started with
     assert after[0].started.policy_version == new_version
     assert "bank" not in text_of(after).lower()
     assert text_of(after).strip()
-    for e in old + after:
-        if e.WhichOneof("event") == "policy_event":
-            assert e.policy_event.suppressed == ""
+    interventions = [e.policy_event for e in old + after if e.WhichOneof("event") == "policy_event"]
+    assert any(i.rule_id == "no-bank" for i in interventions)  # the new rule acted, unseen
+    assert all(i.suppressed == "" for i in interventions)
 
 
 def test_no_rules_serves_unfiltered(tmp_path, default_model_dir):
