@@ -22,7 +22,7 @@ from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import dev_key, free_port, run_requests, start_server, tagged, text_of, wait_cached
+from conftest import Server, dev_key, free_port, run_requests, start_server, tagged, text_of, wait_cached
 
 KEY = b"test-key"
 
@@ -315,8 +315,19 @@ def test_a_rule_change_invalidates_the_cache(tmp_path, default_model_dir):
     assert "bad.yaml:2: -: yaml: not valid YAML" in rejected["reason"]
 
 
-def test_requests_are_refused_when_the_audit_trail_is_down(tmp_path, default_model_dir):
-    srv = start_server(tmp_path, "--model", str(default_model_dir))
+def gateway_of_its_own(tight_server, tmp_path, env: dict[str, str] | None = None) -> Server:
+    """A gateway process with an embedded Valkey of its own, which a test may kill, in front
+    of the shared tight server's engine (no model loaded for one test: ~8 s of start-up).
+    Its rules are the engine's, so that it uses its response cache: a gateway whose rules
+    are another version never does."""
+    return start_server(tmp_path, "--role", "gateway", "--engine", tight_server.engine_target,
+                        "--rules", str(tight_server.rules),
+                        env={"FINSIEVE_ENGINE_SECRET_FILE": str(tight_server.engine_secret_file),
+                             **(env or {})})
+
+
+def test_requests_are_refused_when_the_audit_trail_is_down(tight_server, tmp_path):
+    srv = gateway_of_its_own(tight_server, tmp_path)
     try:
         # A key verified just before Redis went away stays good (nothing can be revoked
         # meanwhile); a request is then refused for want of its audit record.
@@ -332,9 +343,8 @@ def test_requests_are_refused_when_the_audit_trail_is_down(tmp_path, default_mod
     assert free_port()  # the server stopped cleanly enough to leave the machine usable
 
 
-def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tmp_path, default_model_dir):
-    srv = start_server(tmp_path, "--model", str(default_model_dir),
-                       env={"FINSIEVE_AUDIT_FAIL_OPEN": "true"})
+def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tight_server, tmp_path):
+    srv = gateway_of_its_own(tight_server, tmp_path, {"FINSIEVE_AUDIT_FAIL_OPEN": "true"})
     try:
         run_requests(srv.target, [tagged("before", "Say hi.", max_tokens=1)])  # key verified
         valkey = next(json.loads(line)["pid"] for line in srv.log().splitlines()
