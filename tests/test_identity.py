@@ -319,16 +319,16 @@ def test_limits_are_shared_by_two_gateways(tmp_path, shared_valkey):
     env_b = {"FINSIEVE_REDIS_URL": "", "FINSIEVE_REDIS_URL_FILE": str(secrets_dir / "redis.url"),
              **{k: v for k, v in env.items() if k != "FINSIEVE_REDIS_URL"}}
     gateways = []
-    for name, env_of in (("a", env), ("b", env_b)):
-        (tmp_path / name).mkdir()
-        gateways.append(start_server(tmp_path / name, "--role", "gateway", "--engine",
-                                     f"127.0.0.1:{free_port()}", "--limits-file",
-                                     str(tmp_path / "limits.yaml"), env=env_of))
-    b_pid = gateways[1].process.pid
-    processes = [b_pid, *map(int, Path(f"/proc/{b_pid}/task/{b_pid}/children").read_text().split())]
-    for pid in processes:  # the gateway and its officers' process
-        assert shared_valkey.password.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
-    try:
+    try:  # every gateway started is stopped, also when the next fails to start
+        for name, env_of in (("a", env), ("b", env_b)):
+            (tmp_path / name).mkdir()
+            gateways.append(start_server(tmp_path / name, "--role", "gateway", "--engine",
+                                         f"127.0.0.1:{free_port()}", "--limits-file",
+                                         str(tmp_path / "limits.yaml"), env=env_of))
+        b_pid = gateways[1].process.pid
+        children = Path(f"/proc/{b_pid}/task/{b_pid}/children").read_text().split()
+        for pid in [b_pid, *map(int, children)]:  # the gateway and its officers' process
+            assert shared_valkey.password.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
         keys = {}
         for tenant in ("t-rate", "t-streams"):  # no admin key exists yet: the bootstrap path
             out = subprocess.run(
