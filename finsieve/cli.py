@@ -172,9 +172,14 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(settings))
     except Exception as e:  # a startup failure: one clear line, no stack trace
-        from finsieve.engine.loader import ModelLoadError
         from finsieve.policy.schema import PackError
         from finsieve.valkey import RedisUnavailable
+
+        # A ModelLoadError comes from the loader, so it is imported only if the loader was:
+        # importing it here (torch, transformers: ~4 s) held up every refusal before the
+        # model, e.g. a plaintext public bind or a readable key file (5 s instead of 1).
+        loader = sys.modules.get("finsieve.engine.loader")
+        model_errors: tuple[type[Exception], ...] = (loader.ModelLoadError,) if loader else ()
 
         if isinstance(e, PackError):
             print(f"finsieve serve: --rules {settings.rules}: the rule pack is invalid:",
@@ -182,7 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
             for problem in e.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1
-        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError, EngineStopped)):
+        if isinstance(e, (*model_errors, RedisUnavailable, ConfigError, OSError, EngineStopped)):
             print(f"finsieve serve: {e}", file=sys.stderr)
             return 1
         raise
