@@ -522,6 +522,11 @@ def test_a_regex_is_skipped_only_where_its_lookbehind_or_first_characters_rule_i
     # A lookbehind that not every alternative passes rules nothing out.
     assert first_chars(r"(?<![a-z])x|b").not_after is None
     assert first_chars(r"(?:(?<![a-z])|c)b").not_after is None
+    # Comments and verbose mode, which Python's parser reads otherwise than `regex`: no
+    # filter (each of these let a match through before).
+    for unreadable in ("(?x)pro\u2028fit", "(?x:pro\u00a0fit)", "(?#[)\\p{L}x",
+                       "(?#[)(?:profit){e<=1}", "(?x)#[\n\\p{L}x", "(?x)(?:#(?<!\n)q(\n)ab"):
+        assert first_chars(unreadable) is None, unreadable
     # Syntax Python reads as literal text but `regex` does not: no filter at all.
     assert first_chars(r"ab{e<=1}") is None and first_chars(r"[[:alpha:]]x") is None
     assert "g" in first_chars(r"[A-Z]{2}\d{2}")  # a class is matched case-insensitively too
