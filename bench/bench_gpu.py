@@ -372,7 +372,8 @@ def phase_inprocess(args) -> dict:
                     result["skipped"] = f"levels from {n} streams rules {name}: no time left"
                     break
                 engine.policy = lambda pol=pol: pol
-                row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=spread)
+                row = run_engine_level(engine, texts, n, _rounds(args, spread), args.max_tokens,
+                                       spread=spread)
                 row.update(streams=n, rules=name)
                 result["steady" if spread else "levels"].append(row)
                 print(f"  in-process {n:>3} streams rules {name}{' steady' if spread else ''}: "
@@ -391,7 +392,8 @@ def phase_inprocess(args) -> dict:
     for budget in [b for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens]:
         engine.scheduler.mixed_tokens = budget
         try:
-            for row in _baseline_rows(engine, texts, args, f"mixed steps of {budget} tokens"):
+            for row in _baseline_rows(engine, texts, args, f"mixed steps of {budget} tokens",
+                                      least=args.sweep_from):
                 result["mixed_sweep"].append({**row, "mixed_tokens": budget})
         finally:
             engine.scheduler.mixed_tokens = served_budget
@@ -415,6 +417,12 @@ def phase_inprocess(args) -> dict:
     return result
 
 
+def _rounds(args, spread: bool) -> int:
+    """Requests per stream: a steady row counts from the last stream's start to the first
+    stream's end, about (rounds - 1) answers long."""
+    return args.steady_rounds if spread else args.rounds
+
+
 @contextlib.contextmanager
 def _mixed_steps_off(engine):
     """The engine as FINSIEVE_MIXED_TOKENS=0 serves (prompt batching then on, its default)."""
@@ -430,14 +438,16 @@ def _mixed_steps_off(engine):
         scheduler.mixed_tokens, runner.mixed_tokens, scheduler.prompt_batch = saved
 
 
-def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = True) -> list[dict]:
-    """Rules on at 64 streams and more (steady, or every stream started at once), under a
-    baseline's setting."""
+def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = True,
+                   least: int = 64) -> list[dict]:
+    """Rules on at `least` streams and more (steady, or every stream started at once), under
+    a baseline's setting."""
     rows = []
-    for n in [n for n in args.levels if n >= 64]:
+    for n in [n for n in args.levels if n >= least]:
         if time_left(args) < 60:
             break
-        row = run_engine_level(engine, texts, n, args.rounds, args.max_tokens, spread=spread)
+        row = run_engine_level(engine, texts, n, _rounds(args, spread), args.max_tokens,
+                               spread=spread)
         row.update(streams=n, rules="on")
         rows.append(row)
         print(f"  in-process {n:>3} streams rules on{' steady' if spread else ''}, {label}: "
@@ -994,8 +1004,8 @@ def phase_profile(args) -> dict:
     out["one_row"] = _one_row_paths(m)
     if "gemv" in args.sweeps:
         out["gemv"] = _gemv_tiles(m, bandwidth)
-    if "attention" in args.sweeps:
-        out["attention"] = _attention_configs(m, bandwidth)
+    if "attention" in args.sweeps or "tiles" in args.sweeps:
+        out["attention"] = _attention_configs(m, bandwidth, tiles="tiles" in args.sweeps)
     return out
 
 
@@ -1129,7 +1139,7 @@ def _graph_ms(fn, reps: int = 28) -> float:
     return start.elapsed_time(end) / 10 / reps
 
 
-def _attention_configs(m, bandwidth: float | None) -> dict:
+def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
     """The decode attention kernel's choices, timed over one layer's cache (lengths 128-768):
     tile and split at 1, 64 and 128 rows (the programs per row as launched), the programs
     per row at the current tile, and a mixed step's (64 rows and a fresh 256-token chunk)
@@ -1156,8 +1166,8 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
             timings.append({**shown, "us": us,
                             "of_copy": kv_bytes / (us / 1e6) / bandwidth if bandwidth else None})
         timings.sort(key=lambda t: t["us"])
-        for t in timings[:3]:
-            print(f"  attention {label:>20}: {t}", flush=True)
+        for t in [*timings[:3], *(t for t in timings[3:] if not t.get("programs"))]:
+            print(f"  attention {label:>20}: {t}", flush=True)  # the best, and P as launched
         return {"best": timings[:5], "all": timings}
 
     results: dict = {}
@@ -1174,14 +1184,15 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
             return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths,
                                             rope=(m.cos, m.sin), **config)
 
-        tiles = [dict(split_len=sl, block_n=bn, warps=w, stages=st) for sl, bn, w, st in
-                 itertools.product((64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)) if bn <= sl]
-        results[f"{rows} rows"] = timed(f"{rows} rows", tiles, kv_bytes, call)
-        # P programs a row with the current tile, and with longer splits or two stages (a
-        # program then has several tiles to pipeline)
+        if tiles:
+            grid = [dict(split_len=sl, block_n=bn, warps=w, stages=st) for sl, bn, w, st in
+                    itertools.product((64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)) if bn <= sl]
+            results[f"{rows} rows"] = timed(f"{rows} rows", grid, kv_bytes, call)
+        # P programs a row (0: as launched) with the current tile, splits of one or two
+        # tiles, one to three stages (a program then has several tiles to pipeline)
         programs = [dict(split_len=sl, block_n=current[1], warps=current[2], stages=st, programs=p)
-                    for sl, st, p in itertools.product((current[0], 2 * current[0]), (1, 2),
-                                                       (1, 2, 4, 8, 16))]
+                    for sl, st, p in itertools.product((current[0], 2 * current[0]), (1, 2, 3),
+                                                       (0, 1, 2, 4, 8, 16))]
         results[f"{rows} rows, programs"] = timed(f"{rows} rows, P", programs, kv_bytes, call)
     chunk = 256
     if cache_k.shape[0] <= 64 or cache_k.shape[2] < 768:
@@ -1194,10 +1205,11 @@ def _attention_configs(m, bandwidth: float | None) -> dict:
     k = torch.randn(n, kv_heads, dim, device=dev, dtype=cache_k.dtype)
     v = torch.randn_like(k)
     kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * cache_k.element_size()
-    configs = [{"tokens": 0}]
-    for tokens in sorted({2, m.chunk_tokens, 4}):
+    configs = []
+    for tokens in sorted({2, m.chunk_tokens}):
         groups = torch.from_numpy(attention.chunk_groups(64, [chunk], tokens, n)).to(dev)
-        configs += [{"tokens": tokens, "groups": groups, "programs": p} for p in (0, 1, 2, 4)]
+        configs += [{"tokens": tokens, "groups": groups, "programs": p, "stages": st}
+                    for p, st in itertools.product((0, 1, 2, 4), (1, 2, 3))]
 
     def mixed(tokens: int, **config):
         return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths, m.split_len,
@@ -1320,15 +1332,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--sweeps", nargs="*", default=["attention", "gemv"],
-                    help="profile: the tile sweeps to run (attention, gemv)")
+                    help="profile: the sweeps to run (attention: programs and stages; "
+                         "tiles: attention's tiles too; gemv)")
     ap.add_argument("--mixed-tokens", type=int, default=0,
                     help="in-process: the engine's mixed-step budget (0: the served default)")
     ap.add_argument("--mixed-sweep", type=int, nargs="*", default=[],
-                    help="in-process: steady rows, rules on, at 64+ streams with these budgets "
-                         "(each at most --mixed-tokens)")
+                    help="in-process: steady rows, rules on, at --sweep-from streams and more "
+                         "with these budgets (each at most --mixed-tokens)")
+    ap.add_argument("--sweep-from", type=int, default=64,
+                    help="in-process: the fewest streams --mixed-sweep runs at")
+    ap.add_argument("--steady-rounds", type=int, default=4,
+                    help="requests per stream in a steady row (its window is ~rounds - 1 answers)")
     ap.add_argument("--gateways", type=int, default=4)
     ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--tests-timeout", type=float, default=150)
+    ap.add_argument("--tests-timeout", type=float, default=240)
     ap.add_argument("--py-spy", action="store_true",
                     help="serve: py-spy the engine and one gateway at each level (into --log-dir)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
