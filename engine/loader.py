@@ -13,14 +13,12 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from finsieve.config import ModelLoadError
+
 log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(RuntimeError):
-    """The model cannot be found or loaded; the message says what to do."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from finsieve.cli_keys import add_commands as add_key_commands
 from finsieve.cli_keys import print_table
 from finsieve.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
 from finsieve.client import CredentialError
-from finsieve.config import ConfigError, Settings, settings_table
+from finsieve.config import ConfigError, ModelLoadError, Settings, settings_table
 from finsieve.display import cell
 
 
@@ -175,19 +175,13 @@ def _serve(args: argparse.Namespace) -> int:
         from finsieve.policy.schema import PackError
         from finsieve.valkey import RedisUnavailable
 
-        # A ModelLoadError comes from the loader, so it is imported only if the loader was:
-        # importing it here (torch, transformers: ~4 s) held up every refusal before the
-        # model, e.g. a plaintext public bind or a readable key file (5 s instead of 1).
-        loader = sys.modules.get("finsieve.engine.loader")
-        model_errors: tuple[type[Exception], ...] = (loader.ModelLoadError,) if loader else ()
-
         if isinstance(e, PackError):
             print(f"finsieve serve: --rules {settings.rules}: the rule pack is invalid:",
                   file=sys.stderr)
             for problem in e.problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1
-        if isinstance(e, (*model_errors, RedisUnavailable, ConfigError, OSError, EngineStopped)):
+        if isinstance(e, (ModelLoadError, RedisUnavailable, ConfigError, OSError, EngineStopped)):
             print(f"finsieve serve: {e}", file=sys.stderr)
             return 1
         raise
@@ -195,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from finsieve.engine.loader import ModelLoadError, default_model_dir
+    from finsieve.engine.loader import default_model_dir
 
     settings = Settings.load({"state_dir": args.state_dir})
     try:

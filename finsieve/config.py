@@ -18,6 +18,11 @@ class ConfigError(ValueError):
     """A setting has a value that cannot be used; the message names the setting."""
 
 
+class ModelLoadError(RuntimeError):
+    """The model the settings name cannot be found or loaded; the message says what to do.
+    (Here, not in the loader: the CLI tells it apart without importing torch.)"""
+
+
 def _setting(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help}, **kw)
 

@@ -458,6 +458,16 @@ def test_serve_refuses_a_plaintext_public_bind(tmp_path):
     assert not (tmp_path / "state").exists()  # refused before anything was made
 
 
+def test_serve_refuses_a_directory_that_holds_no_model(tmp_path):
+    """A model that cannot be loaded is one line naming the flag, not a stack trace."""
+    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "serve", "--role", "engine",
+                          "--model", str(tmp_path), "--engine-port", "0",
+                          "--state-dir", str(tmp_path / "state")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert f"finsieve serve: --model {tmp_path}: not a Hugging Face model directory" in out.stderr
+
+
 # -- secrets ---------------------------------------------------------------------------------
 
 

@@ -331,7 +331,8 @@ def test_a_tokenizer_with_more_tokens_than_the_embedding_is_refused_at_load(tmp_
     device-side assert that stops the engine): the model directory is refused, by name."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finsieve.engine.loader import ModelLoadError, load_model
+    from finsieve.config import ModelLoadError
+    from finsieve.engine.loader import load_model
 
     config = LlamaConfig(vocab_size=len(engine.tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
