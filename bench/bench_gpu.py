@@ -1085,13 +1085,17 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
         "o": (layer.wo, lambda t: gemv.add_matmul(x[: layer.wo.shape[1]], layer.wo, x.clone(), t)),
         "gate_up": (layer.w_gate_up, lambda t: gemv.norm_gate_up_silu(x, layer.mlp_norm, m.eps,
                                                                       layer.w_gate_up, t)),
+        "down": (layer.w_down, lambda t: gemv.add_matmul_split(h, layer.w_down, x.clone(),
+                                                               counters, t)),
     }
+    h = torch.randn(layer.w_down.shape[1], device="cuda", dtype=m.dtype)
+    counters = torch.zeros(hidden, dtype=torch.int32, device="cuda")
     results: dict = {}
     for name, (w, call) in calls.items():
         timings = []
-        for block_n, block_k, warps, stages in itertools.product(
-                (2, 4, 8, 16), (256, 512, 1024), (4, 8), (1,)):
-            tile = gemv.Tile(block_n, block_k, warps, stages)
+        for block_n, block_k, warps, splits in itertools.product(
+                (2, 4, 8, 16), (256, 512, 1024), (4, 8), (2, 3, 4, 8) if name == "down" else (1,)):
+            tile = gemv.Tile(block_n, block_k, warps, splits=splits)
             if not gemv.fits(hidden, layer.w_down.shape[1], m.n_heads, hd,
                              {**gemv.TILES, name: tile}):
                 continue
@@ -1101,12 +1105,12 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
                 print(f"  gemv {name} {tile}: {e!r:.120}", flush=True)
                 continue
             rate = w.numel() * w.element_size() / (us / 1e6)
-            timings.append({"tile": [block_n, block_k, warps, stages], "us": us,
+            timings.append({"tile": [block_n, block_k, warps, splits], "us": us,
                             "of_copy": rate / bandwidth if bandwidth else None})
         timings.sort(key=lambda t: t["us"])
         now = gemv.TILES[name]
         current = next((t for t in timings if t["tile"] == [now.block_n, now.block_k, now.warps,
-                                                            now.stages]), None)
+                                                            now.splits]), None)
         results[name] = {"best": timings[:5], "current": current}
         for label, t in [("current", current), *(("best", t) for t in timings[:3])]:
             if t:

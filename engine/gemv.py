@@ -4,27 +4,28 @@ At one row a step reads every weight once and computes almost nothing, so what i
 above the bandwidth floor is the number of kernels and the time between them. The compiled
 path (cuBLAS + torch.compile) runs 14 kernels per layer at one row (norm, matmul, two RoPE,
 attention and merge, matmul and split-K reduce, norm, matmul, SiLU, matmul and reduce, a
-copy): on an H200, 4.4-4.5 ms a step for a 3.2 ms floor. Here a layer is three GEMVs
-around the attention, and cuBLAS for the last matmul (3.95 ms a step; 3.79 with the
-launches overlapped, see attention.overlapped):
+copy): on an H200, 4.4-4.5 ms a step for a 3.2 ms floor. Here a layer is four GEMVs around
+the attention (3.68 ms a step, the launches overlapped, see attention.overlapped):
 
     qkv  = rope(rms_norm(x) @ Wqkv.T + b)     the norm's 1/rms applied after the sum
     x   += attn @ Wo.T
     h    = silu(rms_norm(x) @ Wgate.T) * (rms_norm(x) @ Wup.T)
-    x   += h @ Wdown.T                        cuBLAS addmm (split-K over the long K)
+    x   += h @ Wdown.T                        split-K over the long K
 
-Each program owns BLOCK_N output rows, two blocks where a pair meets in the epilogue (the
-two RoPE halves of a head; the gate and up rows of a unit), and sums them over the whole
-K: no split-K, so no reduce kernel and one fixed order of summation (a replay is exact).
+Each program of the first three owns BLOCK_N output rows, two blocks where a pair meets in
+the epilogue (the two RoPE halves of a head; the gate and up rows of a unit), and sums them
+over the whole K: no split-K, so no reduce kernel and one fixed order of summation (a
+replay is exact). Programs read the input row whole, so each computes the norm itself.
+
+The down projection's K (the MLP width) is too long for that: a program per few rows kept
+too few bytes in flight (76% of the copy rate on an H200). Its K is cut into a few parts,
+and the last program of each row block to finish (an atomic counter) adds the parts in
+their order, so the sum is still in one fixed order and no reduce kernel runs: on an H200
+33.8 us a layer (96% of the copy rate) against cuBLAS's split-K and reduce at 38.8 (83%).
+
 A row decoding alone is summed in another order than the same row in a batch, which the
 compiled layers run: in bfloat16 the logits differ by rounding (the GPU test allows 2e-2),
-as they already did between cuBLAS's kernels for different batch sizes. Programs read the
-input row whole, so each computes the norm itself.
-
-The down projection's K (the MLP width) is too long for this: a program per few rows kept
-too few bytes in flight (76% of the copy rate on an H200; 84% with masked tiles of 2,048,
-which slowed the others; cuBLAS's split-K reaches 85%). cuBLAS sums it in its own order,
-fixed for a given device and shape.
+as they already did between cuBLAS's kernels for different batch sizes.
 """
 
 from __future__ import annotations
@@ -54,11 +55,36 @@ class Tile:
     block_k: int
     warps: int = 4
     stages: int = 1
+    splits: int = 1  # K cut into this many parts (the down projection's)
 
 
 # Per matmul, the fastest at one row on an H200 (Qwen2-7B shape); a smaller block_k is used
-# where it does not divide K.
-TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512)}
+# where it does not divide K. The down projection's, of 60 tiles: 8 rows, 512, two parts
+# 33.8 us; four parts 34.4; 16 rows, 256, four parts 34.1; 4 rows 35.2.
+TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512),
+         "down": Tile(8, 512, splits=2)}
+
+
+def add_matmul_split(x: Tensor, w: Tensor, residual: Tensor, counters: Tensor,
+                     tile: Tile) -> None:
+    """residual += x @ w.T, in place, K cut into tile.splits parts: program (n, s) sums its
+    rows over part s into a float32 partial, and the last of a row block's programs to
+    finish adds the partials in part order and the residual (an atomic counter per row
+    block, reset by that program: zeros before and after each launch, graph replays
+    included). The order of summation is fixed, so a replay is exact. counters: int32 zeros,
+    one per row block (w.shape[0] // tile.block_n)."""
+    n, k = w.shape
+    assert w.is_contiguous() and n % tile.block_n == 0
+    assert counters.dtype == torch.int32 and counters.numel() >= n // tile.block_n
+    block_k = block_k_for(k, tile.block_k)
+    blocks = k // block_k
+    splits = min(tile.splits, blocks)
+    partial = torch.empty(splits, n, device=x.device, dtype=torch.float32)
+    _split_k_kernel[(n // tile.block_n, splits)](
+        x, w, residual, partial, counters, k, n, -(-blocks // splits) * block_k,
+        SPLITS=splits, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        num_warps=tile.warps, num_stages=tile.stages, **overlapped(x),
+    )
 
 
 def block_k_for(k: int, block_k: int) -> int:
@@ -76,6 +102,8 @@ def fits(hidden: int, intermediate: int, heads: int, head_dim: int,
     return (triton is not None and head_dim & (head_dim - 1) == 0
             and half % tiles["qkv"].block_n == 0
             and intermediate % tiles["gate_up"].block_n == 0 and hidden % tiles["o"].block_n == 0
+            and hidden % tiles["down"].block_n == 0
+            and block_k_for(intermediate, tiles["down"].block_k) > 0
             and block_k_for(hidden, tiles["qkv"].block_k) > 0
             and block_k_for(hidden, tiles["gate_up"].block_k) > 0
             and block_k_for(heads * head_dim, tiles["o"].block_k) > 0)
@@ -189,3 +217,29 @@ if triton is not None:
             if RESIDUAL:
                 out_lo += tl.load(Res + lo).to(tl.float32)
             tl.store(Out + lo, out_lo.to(Out.dtype.element_ty))
+
+    @triton.jit
+    def _split_k_kernel(X, W, Res, Partial, Counters, K, N, per_split,
+                        SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+        if PDL:  # the input row comes from the kernel before
+            gdc_wait()
+            gdc_launch_dependents()
+        block = tl.program_id(0)
+        part = tl.program_id(1)
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_at = W + rows.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(part * per_split, tl.minimum(K, (part + 1) * per_split), BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            acc += tl.load(w_at + k[None, :]).to(tl.float32) * tl.load(X + k).to(tl.float32)[None, :]
+        tl.store(Partial + part * N + rows, tl.sum(acc, 1))
+        tl.debug_barrier()  # every thread's partial stored before the release
+        counter = Counters + block
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tl.store(counter, 0)
+            total = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(SPLITS):  # the other programs' partials: from L2
+                total += tl.load(Partial + j * N + rows, cache_modifier=".cg")
+            total += tl.load(Res + rows).to(tl.float32)
+            tl.store(Res + rows, total.to(Res.dtype.element_ty))

@@ -105,7 +105,10 @@ class CompactLM:
                      and gemv.fits(cfg.hidden_size, self.layers[0].w_down.shape[1],
                                    self.n_heads, self.head_dim)
                      and all(w.is_contiguous() for layer in self.layers
-                             for w in (layer.wqkv, layer.wo, layer.w_gate_up)))
+                             for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)))
+        # The down projection's split-K GEMV: its counters, zeros between launches
+        self._down_counters = torch.zeros(cfg.hidden_size // gemv.TILES["down"].block_n,
+                                          dtype=torch.int32, device=self.device) if self.gemv else None
         self._eager = self._layer_parts(F.linear)
         self._tiled = self._layer_parts(self._tiled_linear) if row_tile else None
         self.set_compiled(False)
@@ -183,7 +186,7 @@ class CompactLM:
         return self._head(x, self._tiled_linear if self.row_tile else F.linear)
 
     def _decode_one(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        """decode for one row: GEMV kernels, the attention and one cuBLAS call per layer."""
+        """decode for one row: GEMV kernels and the attention."""
         nh, nkv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
         x = self.embed[ids][0]  # the residual stream, updated in place
         lengths = positions + 1
@@ -195,7 +198,7 @@ class CompactLM:
                                     self.split_len)
             gemv.add_matmul(attn.view(-1), layer.wo, x)
             h = gemv.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up)
-            x[None].addmm_(h[None], layer.w_down.t())
+            gemv.add_matmul_split(h, layer.w_down, x, self._down_counters, gemv.TILES["down"])
         return self._head(x[None], F.linear)
 
     @torch.inference_mode()

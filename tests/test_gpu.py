@@ -200,6 +200,27 @@ def test_one_row_through_the_gemv_kernels_matches_the_batched_layers(random_llam
     assert _relative_error(fused, layered) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def test_the_split_k_gemv_sums_every_part_once_in_a_fixed_order():
+    """x += w @ h with K cut into parts (some uneven, one empty): the last program of each
+    row block adds the parts; twice the same bits, and the counters back at zero."""
+    from finsieve.engine.gemv import Tile, add_matmul_split
+
+    torch.manual_seed(0)
+    n, k = 96, 64 * 37  # 37 tiles of 64: in 4 parts 10, 10, 10, 7; in 14, 12 x 3, 1 and 0
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() + w.float() @ h.float()
+    counters = torch.zeros(n // 8, dtype=torch.int32, device="cuda")
+    for splits in (1, 2, 4, 14, 37, 64):
+        a, b = x.clone(), x.clone()
+        for out in (a, b):
+            add_matmul_split(h, w, out, counters, Tile(8, 64, splits=splits))
+            assert not counters.any()
+        assert torch.equal(a, b)
+        assert _relative_error(a, ref) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def graphed(random_llama):
     """The bf16 engine as it serves: compiled, decode in CUDA graphs."""
