@@ -21,7 +21,7 @@ The down projection's K (the MLP width) is too long for that: a program per few 
 too few bytes in flight (76% of the copy rate on an H200). Its K is cut into a few parts,
 and the last program of each row block to finish (an atomic counter) adds the parts in
 their order, so the sum is still in one fixed order and no reduce kernel runs: on an H200
-33.8 us a layer (96% of the copy rate) against cuBLAS's split-K and reduce at 38.8 (83%).
+34.4 us a layer (94% of the copy rate) against cuBLAS's split-K and reduce at 38.8 (83%).
 
 A row decoding alone is summed in another order than the same row in a batch, which the
 compiled layers run: in bfloat16 the logits differ by rounding (the GPU test allows 2e-2),
@@ -59,10 +59,11 @@ class Tile:
 
 
 # Per matmul, the fastest at one row on an H200 (Qwen2-7B shape); a smaller block_k is used
-# where it does not divide K. The down projection's, of 60 tiles: 8 rows, 512, two parts
-# 33.8 us; four parts 34.4; 16 rows, 256, four parts 34.1; 4 rows 35.2.
+# where it does not divide K. The down projection's, of 60 tiles: 8 rows, 512, four parts
+# 34.4 us (the tile the GPU tests and the end-to-end figures ran); two parts 33.8, not yet
+# run end to end; 16 rows, 256, four parts 34.1; 4 rows 35.2.
 TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512),
-         "down": Tile(8, 512, splits=2)}
+         "down": Tile(8, 512, splits=4)}
 
 
 def add_matmul_split(x: Tensor, w: Tensor, residual: Tensor, counters: Tensor,
