@@ -73,16 +73,20 @@ def add_matmul_split(x: Tensor, w: Tensor, residual: Tensor, counters: Tensor,
     finish adds the partials in part order and the residual (an atomic counter per row
     block, reset by that program: zeros before and after each launch, graph replays
     included). The order of summation is fixed, so a replay is exact. counters: int32 zeros,
-    one per row block (w.shape[0] // tile.block_n)."""
+    one per row block (w.shape[0] // tile.block_n), used by one stream only: a counter left
+    non-zero (two launches at once on it) would make a program merge before the others."""
     n, k = w.shape
     assert w.is_contiguous() and n % tile.block_n == 0
+    assert x.shape == (k,) and residual.shape == (n,) and x.data_ptr() != residual.data_ptr()
+    assert x.stride(0) == residual.stride(0) == 1
     assert counters.dtype == torch.int32 and counters.numel() >= n // tile.block_n
     block_k = block_k_for(k, tile.block_k)
     blocks = k // block_k
-    splits = min(tile.splits, blocks)
+    per_split = -(-blocks // min(tile.splits, blocks))  # K blocks a part
+    splits = -(-blocks // per_split)  # no part left empty
     partial = torch.empty(splits, n, device=x.device, dtype=torch.float32)
     _split_k_kernel[(n // tile.block_n, splits)](
-        x, w, residual, partial, counters, k, n, -(-blocks // splits) * block_k,
+        x, w, residual, partial, counters, k, n, per_split * block_k,
         SPLITS=splits, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         num_warps=tile.warps, num_stages=tile.stages, **overlapped(x),
     )

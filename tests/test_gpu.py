@@ -201,12 +201,13 @@ def test_one_row_through_the_gemv_kernels_matches_the_batched_layers(random_llam
 
 
 def test_the_split_k_gemv_sums_every_part_once_in_a_fixed_order():
-    """x += w @ h with K cut into parts (some uneven, one empty): the last program of each
-    row block adds the parts; twice the same bits, and the counters back at zero."""
+    """x += w @ h with K cut into parts (some uneven): the last program of each row block
+    adds the parts; twice the same bits, and the counters back at zero; 50 launches queued
+    back to back on one counters buffer (no host sync between them) sum as one at a time."""
     from finsieve.engine.gemv import Tile, add_matmul_split
 
     torch.manual_seed(0)
-    n, k = 96, 64 * 37  # 37 tiles of 64: in 4 parts 10, 10, 10, 7; in 14, 12 x 3, 1 and 0
+    n, k = 96, 64 * 37  # 37 tiles of 64: in 4 parts 10, 10, 10, 7; 14 asked: 13 (12 x 3, 1)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(k, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -219,6 +220,12 @@ def test_the_split_k_gemv_sums_every_part_once_in_a_fixed_order():
             assert not counters.any()
         assert torch.equal(a, b)
         assert _relative_error(a, ref) < 1e-2
+    one = x.clone()
+    add_matmul_split(h, w, one, counters, Tile(8, 64, splits=4))
+    queued = [x.clone() for _ in range(50)]
+    for out in queued:
+        add_matmul_split(h, w, out, counters, Tile(8, 64, splits=4))
+    assert all(torch.equal(out, one) for out in queued) and not counters.any()
 
 
 @pytest.fixture(scope="module")
