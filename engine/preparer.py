@@ -35,6 +35,7 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
@@ -102,18 +103,34 @@ class Preparer:
         self._lock = threading.Lock()
         self._room = threading.BoundedSemaphore(max(workers, 1) * QUEUED_PER_WORKER)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._saved: tempfile.TemporaryDirectory | None = None  # the pool's tokenizer files
         if workers:
-            self._saved = tempfile.TemporaryDirectory(prefix="finsieve-tokenizer-")
-            tokenizer.save_pretrained(self._saved.name)
+            with tempfile.TemporaryDirectory() as saved:
+                tokenizer.save_pretrained(saved)
+                self._tokenizer_files = {str(f.relative_to(saved)): f.read_bytes()
+                                         for f in Path(saved).rglob("*") if f.is_file()}
             self._pool = self._new_pool()
             # They start while the caller goes on (the model loads).
             self._warming = [self._pool.submit(_ready) for _ in range(workers)]
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        """A pool whose workers load the tokenizer from a fresh private directory. Not the
+        last pool's: by the time a worker restarts, a temporary directory may be gone (tmp
+        cleaners such as systemd-tmpfiles remove what is old), and a pool whose workers
+        cannot load the tokenizer fails every request; nor its path made again, which
+        another local user may have taken meanwhile."""
+        saved = tempfile.TemporaryDirectory(prefix="finsieve-tokenizer-", ignore_cleanup_errors=True)
+        for name, data in self._tokenizer_files.items():
+            path = Path(saved.name, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        if self._saved is not None:
+            self._saved.cleanup()
+        self._saved = saved
         # spawn: a fork of a process holding a CUDA context (and threads) is not safe.
         return concurrent.futures.ProcessPoolExecutor(
             self.workers, multiprocessing.get_context("spawn"), initializer=_start,
-            initargs=(type(self.tokenizer), self._saved.name, self.max_context, os.getpid()))
+            initargs=(type(self.tokenizer), saved.name, self.max_context, os.getpid()))
 
     def wait_ready(self) -> None:
         """Wait until every worker has started; if they cannot, prepare on the calling
@@ -197,8 +214,11 @@ class Preparer:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            saved, self._saved = self._saved, None
         if pool is not None:
             _end(pool)
+        if saved is not None:
+            saved.cleanup()
 
 
 def _end(pool: concurrent.futures.ProcessPoolExecutor) -> None:

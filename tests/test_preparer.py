@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -136,6 +138,30 @@ def test_a_dead_worker_fails_only_the_requests_in_flight(tokenizer) -> None:
     assert e.value.code is grpc.StatusCode.UNAVAILABLE
     assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
     preparer.close()
+
+
+def test_fresh_workers_start_after_a_tmp_cleaner_removed_the_tokenizer_files(tokenizer) -> None:
+    """A long-running engine's temporary directory may be swept (systemd-tmpfiles and other
+    cleaners remove old files): workers started after that still load the tokenizer, from
+    a new private directory, instead of failing every request from then on."""
+    pack = Pack.load(REPO / "rules")
+    preparer = Preparer(tokenizer, 512, workers=1)
+    preparer.wait_ready()
+    expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[0], pack.input, pack.version)
+    assert preparer._saved is not None
+    swept = Path(preparer._saved.name)
+    shutil.rmtree(swept)
+    (pid,) = preparer._pool._processes  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+    with pytest.raises(RequestError) as e:  # the pool is found broken, and replaced
+        preparer.prepare(PROMPTS[0], pack.input, pack.version)
+    assert e.value.code is grpc.StatusCode.UNAVAILABLE
+    assert preparer.prepare(PROMPTS[0], pack.input, pack.version) == expected
+    saved = Path(preparer._saved.name)
+    assert saved != swept and stat.S_IMODE(saved.stat().st_mode) == 0o700
+    preparer.close()
+    assert not saved.exists()
 
 
 def test_a_hung_worker_times_out_its_request_and_is_replaced(tokenizer, monkeypatch) -> None:
