@@ -16,11 +16,12 @@ any rule scans it.
 Failures stay with the requests they hit. A worker that dies fails the requests in flight
 with UNAVAILABLE (they are not retried here: the one that killed it would take the engine
 down) and a fresh pool serves the next ones; so does a request whose preparation has run
-past TIMEOUT_S (a worker that hangs). A request still queued at its deadline fails alone:
-the pool is busy, not hung. At most QUEUED_PER_WORKER requests per worker are in the pool.
-Workers get the tokenizer as a directory to load, not as a pickle: spawning writes its
-arguments into a pipe, and a payload larger than the pipe would block the spawning thread
-for good if the new worker died before reading it.
+past TIMEOUT_S (a worker that hangs). Workers that cannot start at all are started afresh
+(START_ATTEMPTS sets) before the engine prepares on its own threads. A request still queued
+at its deadline fails alone: the pool is busy, not hung. At most QUEUED_PER_WORKER requests
+per worker are in the pool. Workers get the tokenizer as a directory to load, not as a
+pickle: spawning writes its arguments into a pipe, and a payload larger than the pipe would
+block the spawning thread for good if the new worker died before reading it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ TIMEOUT_S = 30.0  # one request's preparation, queue included; its regex searche
 QUEUED_PER_WORKER = 4
 KEPT_VERSIONS = 4  # policy versions whose input rules a worker keeps (a reload adds one)
 RETRY_MS = 1000
+START_ATTEMPTS = 3  # sets of workers started before preparing on the engine's threads
 
 
 class Message(NamedTuple):
@@ -133,23 +135,40 @@ class Preparer:
             initargs=(type(self.tokenizer), saved.name, self.max_context, os.getpid()))
 
     def wait_ready(self) -> None:
-        """Wait until every worker has started; if they cannot, prepare on the calling
-        threads."""
+        """Wait until every worker has started, starting a fresh set up to START_ATTEMPTS
+        times (a worker killed while the model loads, e.g. by the kernel's OOM killer, is
+        no reason to give them up); if they cannot start, prepare on the calling threads."""
         pool = self._pool
         if pool is None:
             return
-        deadline = time.monotonic() + 3 * TIMEOUT_S
-        try:
-            pids = {f.result(TIMEOUT_S) for f in self._warming}
-            while len(pids) < self.workers and time.monotonic() < deadline:
-                pids |= {f.result(TIMEOUT_S) for f in [pool.submit(_ready) for _ in range(self.workers)]}
-            if len(pids) < self.workers:
-                raise TimeoutError(f"{len(pids)} of {self.workers} workers answered")
-        except Exception as e:
-            log.error("request preparation workers did not start; preparing on the engine's "
-                      "threads", error=repr(e))
-            self.close()
-            self.workers = 0
+        deadline = time.monotonic() + 3 * TIMEOUT_S  # for all the attempts together
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._started(pool, self._warming, deadline)
+                return
+            except Exception as e:
+                error = e
+            if attempt == START_ATTEMPTS or time.monotonic() >= deadline:
+                break
+            log.warning("request preparation workers did not start; starting them again",
+                        attempt=attempt, error=repr(error))
+            with self._lock:
+                self._pool = fresh = self._new_pool()
+            _end(pool)
+            pool, self._warming = fresh, [fresh.submit(_ready) for _ in range(self.workers)]
+        log.error("request preparation workers did not start; preparing on the engine's "
+                  "threads", error=repr(error))
+        self.close()
+        self.workers = 0
+
+    def _started(self, pool: concurrent.futures.ProcessPoolExecutor,
+                 warming: list[concurrent.futures.Future], deadline: float) -> None:
+        """Returns once each worker has answered; raises if one cannot start (or in time)."""
+        pids = {f.result(TIMEOUT_S) for f in warming}
+        while len(pids) < self.workers and time.monotonic() < deadline:
+            pids |= {f.result(TIMEOUT_S) for f in [pool.submit(_ready) for _ in range(self.workers)]}
+        if len(pids) < self.workers:
+            raise TimeoutError(f"{len(pids)} of {self.workers} workers answered")
 
     def prepare(self, messages: list[Message], rules: RuleSet, version: str) -> Prepared:
         pool = self._pool

@@ -140,6 +140,23 @@ def test_a_dead_worker_fails_only_the_requests_in_flight(tokenizer) -> None:
     preparer.close()
 
 
+def test_workers_killed_while_they_start_are_started_again(tokenizer) -> None:
+    """A worker killed during its start-up (e.g. by the OOM killer while the model loads)
+    does not send the engine to its threads for good: a fresh set of workers is started."""
+    pack = Pack.load(REPO / "rules")
+    preparer = Preparer(tokenizer, 512, workers=2)
+    first = set(preparer._pool._processes)  # type: ignore[union-attr]
+    assert len(first) == 2
+    for pid in first:  # spawned, still importing: far from ready
+        os.kill(pid, signal.SIGKILL)
+    preparer.wait_ready()
+    assert preparer.workers == 2 and preparer._pool is not None
+    assert first.isdisjoint(preparer._pool._processes)
+    expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[1], pack.input, pack.version)
+    assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
+    preparer.close()
+
+
 def test_fresh_workers_start_after_a_tmp_cleaner_removed_the_tokenizer_files(tokenizer) -> None:
     """A long-running engine's temporary directory may be swept (systemd-tmpfiles and other
     cleaners remove old files): workers started after that still load the tokenizer, from
