@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -105,7 +106,7 @@ class Preparer:
         self._lock = threading.Lock()
         self._room = threading.BoundedSemaphore(max(workers, 1) * QUEUED_PER_WORKER)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._saved: tempfile.TemporaryDirectory | None = None  # the pool's tokenizer files
+        self._saved: _TokenizerDir | None = None  # the live pool's tokenizer files
         if workers:
             with tempfile.TemporaryDirectory() as saved:
                 tokenizer.save_pretrained(saved)
@@ -119,20 +120,15 @@ class Preparer:
         """A pool whose workers load the tokenizer from a fresh private directory. Not the
         last pool's: by the time a worker restarts, a temporary directory may be gone (tmp
         cleaners such as systemd-tmpfiles remove what is old), and a pool whose workers
-        cannot load the tokenizer fails every request; nor its path made again, which
-        another local user may have taken meanwhile."""
-        saved = tempfile.TemporaryDirectory(prefix="finsieve-tokenizer-", ignore_cleanup_errors=True)
-        for name, data in self._tokenizer_files.items():
-            path = Path(saved.name, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        if self._saved is not None:
-            self._saved.cleanup()
-        self._saved = saved
+        cannot load the tokenizer fails every request."""
+        saved = _TokenizerDir(self._tokenizer_files)
+        old, self._saved = self._saved, saved
+        if old is not None:
+            old.remove()
         # spawn: a fork of a process holding a CUDA context (and threads) is not safe.
         return concurrent.futures.ProcessPoolExecutor(
             self.workers, multiprocessing.get_context("spawn"), initializer=_start,
-            initargs=(type(self.tokenizer), saved.name, self.max_context, os.getpid()))
+            initargs=(type(self.tokenizer), saved.path, self.max_context, os.getpid()))
 
     def wait_ready(self) -> None:
         """Wait until every worker has started, starting a fresh set up to START_ATTEMPTS
@@ -142,6 +138,7 @@ class Preparer:
         if pool is None:
             return
         deadline = time.monotonic() + 3 * TIMEOUT_S  # for all the attempts together
+        error: Exception | None = None
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 self._started(pool, self._warming, deadline)
@@ -152,10 +149,16 @@ class Preparer:
                 break
             log.warning("request preparation workers did not start; starting them again",
                         attempt=attempt, error=repr(error))
-            with self._lock:
-                self._pool = fresh = self._new_pool()
-            _end(pool)
-            pool, self._warming = fresh, [fresh.submit(_ready) for _ in range(self.workers)]
+            try:
+                with self._lock:
+                    if self._pool is not pool:  # closed meanwhile
+                        return
+                    self._pool = fresh = self._new_pool()
+                _end(pool)
+                pool, self._warming = fresh, [fresh.submit(_ready) for _ in range(self.workers)]
+            except (OSError, RuntimeError) as e:  # the files cannot be written, or no spawn
+                error = e
+                break
         log.error("request preparation workers did not start; preparing on the engine's "
                   "threads", error=repr(error))
         self.close()
@@ -163,10 +166,14 @@ class Preparer:
 
     def _started(self, pool: concurrent.futures.ProcessPoolExecutor,
                  warming: list[concurrent.futures.Future], deadline: float) -> None:
-        """Returns once each worker has answered; raises if one cannot start (or in time)."""
-        pids = {f.result(TIMEOUT_S) for f in warming}
+        """Returns once each worker has answered; raises if one cannot start, or by the
+        deadline."""
+        def answer(f: concurrent.futures.Future) -> int:
+            return f.result(min(TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
+
+        pids = {answer(f) for f in warming}
         while len(pids) < self.workers and time.monotonic() < deadline:
-            pids |= {f.result(TIMEOUT_S) for f in [pool.submit(_ready) for _ in range(self.workers)]}
+            pids |= {answer(f) for f in [pool.submit(_ready) for _ in range(self.workers)]}
         if len(pids) < self.workers:
             raise TimeoutError(f"{len(pids)} of {self.workers} workers answered")
 
@@ -237,7 +244,39 @@ class Preparer:
         if pool is not None:
             _end(pool)
         if saved is not None:
-            saved.cleanup()
+            saved.remove()
+
+
+class _TokenizerDir:
+    """The tokenizer's files in a new private temporary directory (0700, a random name).
+    Removed only while its path is still that directory: once a tmp cleaner has swept it,
+    another local user may have taken the name, and the engine must neither delete their
+    files nor fail on them."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.path = tempfile.mkdtemp(prefix="finsieve-tokenizer-")
+        self._identity = _identity(self.path)
+        try:
+            for name, data in files.items():
+                file = Path(self.path, name)
+                file.parent.mkdir(parents=True, exist_ok=True)
+                file.write_bytes(data)
+        except OSError:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        try:
+            if _identity(self.path) == self._identity:
+                shutil.rmtree(self.path)
+        except OSError as e:  # swept already, or not ours any more
+            log.warning("a tokenizer directory of the preparation workers was not removed",
+                        path=self.path, error=repr(e))
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
 
 
 def _end(pool: concurrent.futures.ProcessPoolExecutor) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from finsieve.engine import preparer as preparer_module
 from finsieve.engine.preparer import Message, Preparer
@@ -145,16 +145,54 @@ def test_workers_killed_while_they_start_are_started_again(tokenizer) -> None:
     does not send the engine to its threads for good: a fresh set of workers is started."""
     pack = Pack.load(REPO / "rules")
     preparer = Preparer(tokenizer, 512, workers=2)
-    first = set(preparer._pool._processes)  # type: ignore[union-attr]
-    assert len(first) == 2
-    for pid in first:  # spawned, still importing: far from ready
-        os.kill(pid, signal.SIGKILL)
-    preparer.wait_ready()
-    assert preparer.workers == 2 and preparer._pool is not None
-    assert first.isdisjoint(preparer._pool._processes)
-    expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[1], pack.input, pack.version)
-    assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
-    preparer.close()
+    try:
+        first = set(preparer._pool._processes)  # type: ignore[union-attr]
+        assert len(first) == 2
+        for pid in first:  # spawned, still importing: far from ready
+            os.kill(pid, signal.SIGKILL)
+        preparer.wait_ready()
+        assert preparer.workers == 2 and preparer._pool is not None
+        assert first.isdisjoint(preparer._pool._processes)
+        expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[1], pack.input, pack.version)
+        assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
+    finally:
+        preparer.close()
+
+
+class _Unloadable(PreTrainedTokenizerFast):
+    """A tokenizer that no worker can load (its class refuses to)."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        raise OSError("this tokenizer cannot be loaded here")
+
+
+def test_workers_that_never_start_leave_preparation_to_the_engine_threads(tokenizer) -> None:
+    """Three sets of workers fail to start: the engine prepares on its own threads, and
+    every worker process and directory is gone."""
+    pack = Pack.load(REPO / "rules")
+    unloadable = copy.copy(tokenizer)
+    unloadable.__class__ = _Unloadable
+    preparer = Preparer(unloadable, 512, workers=1)
+    try:
+        directories = []
+        real = preparer._new_pool
+
+        def recorded():
+            pool = real()
+            directories.append(Path(preparer._saved.path))  # type: ignore[union-attr]
+            return pool
+
+        preparer._new_pool = recorded  # type: ignore[method-assign]
+        directories.append(Path(preparer._saved.path))  # type: ignore[union-attr]
+        preparer.wait_ready()
+        assert preparer.workers == 0 and preparer._pool is None
+        assert len(directories) == preparer_module.START_ATTEMPTS
+        assert not any(d.exists() for d in directories)
+        expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[1], pack.input, pack.version)
+        assert preparer.prepare(PROMPTS[1], pack.input, pack.version) == expected
+    finally:
+        preparer.close()
 
 
 def test_fresh_workers_start_after_a_tmp_cleaner_removed_the_tokenizer_files(tokenizer) -> None:
@@ -163,21 +201,27 @@ def test_fresh_workers_start_after_a_tmp_cleaner_removed_the_tokenizer_files(tok
     a new private directory, instead of failing every request from then on."""
     pack = Pack.load(REPO / "rules")
     preparer = Preparer(tokenizer, 512, workers=1)
-    preparer.wait_ready()
-    expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[0], pack.input, pack.version)
-    assert preparer._saved is not None
-    swept = Path(preparer._saved.name)
-    shutil.rmtree(swept)
-    (pid,) = preparer._pool._processes  # type: ignore[union-attr]
-    os.kill(pid, signal.SIGKILL)
-    time.sleep(1.0)
-    with pytest.raises(RequestError) as e:  # the pool is found broken, and replaced
-        preparer.prepare(PROMPTS[0], pack.input, pack.version)
-    assert e.value.code is grpc.StatusCode.UNAVAILABLE
-    assert preparer.prepare(PROMPTS[0], pack.input, pack.version) == expected
-    saved = Path(preparer._saved.name)
-    assert saved != swept and stat.S_IMODE(saved.stat().st_mode) == 0o700
-    preparer.close()
+    try:
+        preparer.wait_ready()
+        expected = Preparer(tokenizer, 512, workers=0).prepare(PROMPTS[0], pack.input, pack.version)
+        assert preparer._saved is not None
+        swept = Path(preparer._saved.path)
+        shutil.rmtree(swept)
+        swept.mkdir()  # the name taken again, as another local user could: theirs, not ours
+        (swept / "theirs").write_text("kept")
+        (pid,) = preparer._pool._processes  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        with pytest.raises(RequestError) as e:  # the pool is found broken, and replaced
+            preparer.prepare(PROMPTS[0], pack.input, pack.version)
+        assert e.value.code is grpc.StatusCode.UNAVAILABLE
+        assert preparer.prepare(PROMPTS[0], pack.input, pack.version) == expected
+        saved = Path(preparer._saved.path)
+        assert saved != swept and stat.S_IMODE(saved.stat().st_mode) == 0o700
+        assert (swept / "theirs").read_text() == "kept"  # not removed with the old pool
+    finally:
+        preparer.close()
+        shutil.rmtree(swept, ignore_errors=True)
     assert not saved.exists()
 
 
