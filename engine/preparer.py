@@ -251,11 +251,12 @@ class _TokenizerDir:
     """The tokenizer's files in a new private temporary directory (0700, a random name).
     Removed only while its path is still that directory: once a tmp cleaner has swept it,
     another local user may have taken the name, and the engine must neither delete their
-    files nor fail on them."""
+    files nor fail on them. An open descriptor keeps the directory's inode from being
+    reused while it lives, so (device, inode) tells the two apart."""
 
     def __init__(self, files: dict[str, bytes]) -> None:
         self.path = tempfile.mkdtemp(prefix="finsieve-tokenizer-")
-        self._identity = _identity(self.path)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             for name, data in files.items():
                 file = Path(self.path, name)
@@ -266,17 +267,18 @@ class _TokenizerDir:
             raise
 
     def remove(self) -> None:
+        if self._fd < 0:
+            return
         try:
-            if _identity(self.path) == self._identity:
+            ours, now = os.fstat(self._fd), os.lstat(self.path)
+            if (ours.st_dev, ours.st_ino) == (now.st_dev, now.st_ino):
                 shutil.rmtree(self.path)
         except OSError as e:  # swept already, or not ours any more
             log.warning("a tokenizer directory of the preparation workers was not removed",
                         path=self.path, error=repr(e))
-
-
-def _identity(path: str) -> tuple[int, int]:
-    st = os.lstat(path)
-    return st.st_dev, st.st_ino
+        finally:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _end(pool: concurrent.futures.ProcessPoolExecutor) -> None:
