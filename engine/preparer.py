@@ -150,11 +150,9 @@ class Preparer:
             log.warning("request preparation workers did not start; starting them again",
                         attempt=attempt, error=repr(error))
             try:
-                with self._lock:
-                    if self._pool is not pool:  # closed meanwhile
-                        return
-                    self._pool = fresh = self._new_pool()
-                _end(pool)
+                fresh = self._swap(pool)
+                if fresh is None:  # closed meanwhile
+                    return
                 pool, self._warming = fresh, [fresh.submit(_ready) for _ in range(self.workers)]
             except (OSError, RuntimeError) as e:  # the files cannot be written, or no spawn
                 error = e
@@ -223,14 +221,23 @@ class Preparer:
         except concurrent.futures.CancelledError:  # closed meanwhile
             raise _unavailable("the engine is not preparing requests now; retry") from None
 
+    def _swap(self, old: concurrent.futures.ProcessPoolExecutor
+              ) -> concurrent.futures.ProcessPoolExecutor | None:
+        """A fresh pool in place of `old`, whose workers are killed; None if `old` is no
+        longer the live pool (closed, or replaced by another thread first)."""
+        with self._lock:
+            if self._pool is not old:
+                return None
+            self._pool = fresh = self._new_pool()
+        _end(old)
+        return fresh
+
     def _replace(self, broken: concurrent.futures.ProcessPoolExecutor, why: str) -> None:
         """A fresh pool for the next requests (once, whichever thread sees the break first)."""
-        with self._lock:
-            if self._pool is not broken:
-                return
-            self._pool = fresh = self._new_pool()
+        fresh = self._swap(broken)
+        if fresh is None:
+            return
         log.error(why)
-        _end(broken)
         try:  # its workers start now, on this (failed) request's thread, not on the next ones
             for _ in range(self.workers):
                 fresh.submit(_ready)
