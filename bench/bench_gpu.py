@@ -510,6 +510,8 @@ def _bare_prefill(engine, args) -> dict:
     params = json.loads(Path(args.out).read_text())["model"]["matmul_params"]
     out = {}
     for n, count in ((512, 4), (320, 1)):
+        if count > m.n_slots:  # (--levels below 4: fewer KV slots)
+            continue
         chunks = [(s, 0, list(range(1000 + s, 1000 + s + n))) for s in range(count)]
         ways = {"eager": lambda chunks=chunks: m.prefill(chunks, [True] * len(chunks))}
         if graphs is not None and (fit := graphs.layout(chunks, [True] * len(chunks))):
@@ -1082,11 +1084,11 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
         "qkv": (layer.wqkv, lambda t: gemv.norm_qkv_rope(x, layer.attn_norm, m.eps, layer.wqkv,
                                                          layer.bqkv, m.cos, m.sin, position,
                                                          rope_rows, t)),
-        "o": (layer.wo, lambda t: gemv.add_matmul(x[: layer.wo.shape[1]], layer.wo, x.clone(), t)),
+        "o": (layer.wo, lambda t: gemv.add_matmul(x[: layer.wo.shape[1]], layer.wo, x.clone(), t,
+                                                  counters)),
         "gate_up": (layer.w_gate_up, lambda t: gemv.norm_gate_up_silu(x, layer.mlp_norm, m.eps,
                                                                       layer.w_gate_up, t)),
-        "down": (layer.w_down, lambda t: gemv.add_matmul_split(h, layer.w_down, x.clone(),
-                                                               counters, t)),
+        "down": (layer.w_down, lambda t: gemv.add_matmul(h, layer.w_down, x.clone(), t, counters)),
     }
     h = torch.randn(layer.w_down.shape[1], device="cuda", dtype=m.dtype)
     counters = torch.zeros(hidden, dtype=torch.int32, device="cuda")
@@ -1094,7 +1096,8 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
     for name, (w, call) in calls.items():
         timings = []
         for block_n, block_k, warps, splits in itertools.product(
-                (2, 4, 8, 16), (256, 512, 1024), (4, 8), (2, 3, 4, 8) if name == "down" else (1,)):
+                (2, 4, 8, 16), (256, 512, 1024), (4, 8),
+                {"down": (2, 3, 4, 8), "o": (1, 2, 4)}.get(name, (1,))):
             tile = gemv.Tile(block_n, block_k, warps, splits=splits)
             if not gemv.fits(hidden, layer.w_down.shape[1], m.n_heads, hd,
                              {**gemv.TILES, name: tile}):

@@ -59,9 +59,11 @@ class Tile:
 
 
 # Per matmul, the fastest at one row on an H200 (Qwen2-7B shape); a smaller block_k is used
-# where it does not divide K. The down projection's, of 60 tiles: 8 rows, 512, four parts
-# 34.4 us (the tile the GPU tests and the end-to-end figures ran); two parts 33.8, not yet
-# run end to end; 16 rows, 256, four parts 34.1; 4 rows 35.2.
+# where it does not divide K. Swept alone (`bench_gpu.py --phases profile --sweeps gemv`),
+# two parts beat these for the down projection (33.8 against 34.4 us on one H200, 35.7
+# against 37.2 on another) and for the output projection (16 rows, 256: 7.12 against 7.68
+# us), but the one-row decode graph on a third H200 replayed in 3.68 ms with either set
+# (the GPU tests passed with both): these are the tiles every end-to-end figure ran.
 TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512),
          "down": Tile(8, 512, splits=4)}
 
@@ -126,8 +128,14 @@ def norm_qkv_rope(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor |
     return out
 
 
-def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile = TILES["o"]) -> None:
-    """residual += x @ w.T, in place (x must be another tensor: every program reads all of it)."""
+def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile = TILES["o"],
+               counters: Tensor | None = None) -> None:
+    """residual += x @ w.T, in place (x must be another tensor: every program reads all of it);
+    a tile with splits > 1 cuts K into parts (add_matmul_split, on these counters)."""
+    if tile.splits > 1:
+        assert counters is not None, "a split-K tile needs its counters"
+        add_matmul_split(x, w, residual, counters, tile)
+        return
     _launch(PLAIN, x, w, residual, tile, w.shape[0] // tile.block_n, residual=residual)
 
 

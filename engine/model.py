@@ -106,9 +106,10 @@ class CompactLM:
                                    self.n_heads, self.head_dim)
                      and all(w.is_contiguous() for layer in self.layers
                              for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)))
-        # The down projection's split-K GEMV: its counters, zeros between launches
-        self._down_counters = torch.zeros(cfg.hidden_size // gemv.TILES["down"].block_n,
-                                          dtype=torch.int32, device=self.device) if self.gemv else None
+        # The split-K GEMVs' counters (zeros between launches), one set per projection
+        self._o_counters, self._down_counters = (
+            torch.zeros(cfg.hidden_size // gemv.TILES[name].block_n, dtype=torch.int32,
+                        device=self.device) if self.gemv else None for name in ("o", "down"))
         self._eager = self._layer_parts(F.linear)
         self._tiled = self._layer_parts(self._tiled_linear) if row_tile else None
         self.set_compiled(False)
@@ -196,9 +197,9 @@ class CompactLM:
             q, k, v = qkv.view(1, -1, hd).split([nh, nkv, nkv], 1)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
                                     self.split_len)
-            gemv.add_matmul(attn.view(-1), layer.wo, x)
+            gemv.add_matmul(attn.view(-1), layer.wo, x, gemv.TILES["o"], self._o_counters)
             h = gemv.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up)
-            gemv.add_matmul_split(h, layer.w_down, x, self._down_counters, gemv.TILES["down"])
+            gemv.add_matmul(h, layer.w_down, x, gemv.TILES["down"], self._down_counters)
         return self._head(x[None], F.linear)
 
     @torch.inference_mode()
