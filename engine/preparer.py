@@ -27,6 +27,7 @@ block the spawning thread for good if the new worker died before reading it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -114,7 +115,7 @@ class Preparer:
                                          for f in Path(saved).rglob("*") if f.is_file()}
             self._pool = self._new_pool()
             # They start while the caller goes on (the model loads).
-            self._warming = [self._pool.submit(_ready) for _ in range(workers)]
+            self._warming = self._warm(self._pool)
 
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         """A pool whose workers load the tokenizer from a fresh private directory. Not the
@@ -129,6 +130,11 @@ class Preparer:
         return concurrent.futures.ProcessPoolExecutor(
             self.workers, multiprocessing.get_context("spawn"), initializer=_start,
             initargs=(type(self.tokenizer), saved.path, self.max_context, os.getpid()))
+
+    def _warm(self, pool: concurrent.futures.ProcessPoolExecutor) -> list[concurrent.futures.Future]:
+        """A round of start-up calls, one per worker: each answers with its pid once its
+        worker has started (loaded the tokenizer)."""
+        return [pool.submit(_ready) for _ in range(self.workers)]
 
     def wait_ready(self) -> None:
         """Wait until every worker has started, starting a fresh set up to START_ATTEMPTS
@@ -153,7 +159,7 @@ class Preparer:
                 fresh = self._swap(pool)
                 if fresh is None:  # closed meanwhile
                     return
-                pool, self._warming = fresh, [fresh.submit(_ready) for _ in range(self.workers)]
+                pool, self._warming = fresh, self._warm(fresh)
             except (OSError, RuntimeError) as e:  # the files cannot be written, or no spawn
                 error = e
                 break
@@ -171,7 +177,7 @@ class Preparer:
 
         pids = {answer(f) for f in warming}
         while len(pids) < self.workers and time.monotonic() < deadline:
-            pids |= {answer(f) for f in [pool.submit(_ready) for _ in range(self.workers)]}
+            pids |= {answer(f) for f in self._warm(pool)}
         if len(pids) < self.workers:
             raise TimeoutError(f"{len(pids)} of {self.workers} workers answered")
 
@@ -238,11 +244,10 @@ class Preparer:
         if fresh is None:
             return
         log.error(why)
-        try:  # its workers start now, on this (failed) request's thread, not on the next ones
-            for _ in range(self.workers):
-                fresh.submit(_ready)
-        except (RuntimeError, OSError):  # closed meanwhile, or cannot start: the next request says
-            pass
+        # Its workers start now, on this (failed) request's thread, not on the next ones; closed
+        # meanwhile, or unable to start: the next request says.
+        with contextlib.suppress(RuntimeError, OSError):
+            self._warm(fresh)
 
     def close(self) -> None:
         with self._lock:
