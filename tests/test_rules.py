@@ -69,6 +69,36 @@ def test_normalizer_maps_back_to_raw_bytes_across_split_characters():
     assert spans == ["Ａ", "稳", "赚", "  ", "x"]
 
 
+def test_a_token_seen_after_plain_text_joins_a_space_or_cjk_character_as_ever():
+    """The normalizer's memo of plain tokens is filled after plain text; after a space, a
+    CJK character or a held space the same token must still join as the rules say."""
+    for before, after, expect in [(b"a", b" b", "a b"), (b"a ", b" b", "a b"),
+                                  ("稳".encode(), b" b", "稳 b"), ("稳 ".encode(), b" b", "稳 b"),
+                                  ("稳 ".encode(), "赚".encode(), "稳赚"), (b"a\n", b" b", "a b")]:
+        for _ in range(2):  # the second time from the memo
+            n = Normalizer()
+            n.feed(before)
+            n.feed(after)
+            n.flush()
+            assert "".join(n.text) == expect, (before, after)
+
+
+def test_a_literal_is_reported_once_whatever_tail_its_text_was_scanned_with(tmp_path):
+    """Scans of (live tail, new text) are memoized: a match that ended in the tail is not
+    reported again, and one ending in the new text is, each time."""
+    write(tmp_path, "a.yaml", "rules:\n  - id: s\n    description: t\n    kind: literal\n"
+                              "    patterns: [ab, abc, bc]\n    action: redact\n    replacement: x\n")
+    pack = Pack.load(tmp_path)
+    for _ in range(2):
+        for tokens in ([b"a", b"b", b"c"], [b"ab", b"c"], [b"x", b"b", b"c"], [b"a", b"bc"]):
+            m = StreamMatcher(pack.output)
+            for t in tokens:
+                m.feed(t)
+            m.finish()
+            assert sorted(x.text for x in m.matches) == sorted(
+                x.text for x in scan_text(pack.output, b"".join(tokens).decode())), tokens
+
+
 def test_incomplete_utf8_stays_pending():
     n = Normalizer()
     n.feed("稳".encode()[:2])

@@ -125,11 +125,15 @@ class Guard:
         the policy's base bans only (see masks.py): None, and nothing fed, if this position's
         exact mask bans it. The mask bans only tokens that complete a block literal, so it
         is asked only when feeding the token completed one."""
-        before = self.matcher.norm.raw_len
-        data = self._bytes(token)
-        found = self.matcher.feed(data)
-        if exact_mask and found and any(m.rule.action == "block" and m.rule.kind == "literal"
-                                        for m in found):
+        matcher = self.matcher
+        before = matcher.norm.raw_len
+        data = self.token_bytes[token] if token < len(self.token_bytes) else b""  # _bytes(token)
+        found = matcher.feed(data)
+        if not found:  # most tokens: accepted (as _decide would say)
+            self.tokens.append(token)
+            return ACCEPT
+        if exact_mask and any(m.rule.action == "block" and m.rule.kind == "literal"
+                              for m in found):
             self.matcher.rollback(len(self.tokens))
             masks = self.policy.masks
             if masks is not None and masks.is_banned(self.matcher, token, data):
@@ -216,23 +220,30 @@ class Guard:
 
     def release(self, limit: int | None = None, final: bool = False) -> str:
         """Text that is now final (redactions applied), up to `limit` raw bytes if given."""
-        end = self.matcher.norm.decoded_len if final else self._release_point()
-        if limit is not None:
-            end = min(end, limit)
-        return self._take(end)
+        m = self.matcher
+        # _release_point(), inlined: asked after every token.
+        end = m.norm.decoded_len if final else m.checkpoint_raw(m.clean_boundary_before(m.safe_point))
+        if limit is not None and limit < end:
+            end = limit
+        return self._take(end) if end > self.released else ""
 
     def _take(self, end: int) -> str:
         if end <= self.released:
             return ""
         text = self.matcher.render(self.released, end)
         # Redactions now delivered: tell the client where they sit in the delivered text.
-        for m in sorted(self.matcher.matches, key=lambda m: m.start):
-            if m.rule.action == "redact" and self.released <= m.start and m.end <= end:
-                at = self.delivered_chars + len(self.matcher.render(self.released, m.start))
-                self.events.append(Intervention(
-                    m.rule.id, "redact", at, at + len(m.rule.replacement),
-                    suppressed=bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace"),
-                ))
+        # Picked, then sorted by start: the order of picking them from the sorted list
+        # (sorted is stable), without sorting every match at every release.
+        matches = self.matcher.matches
+        delivered = sorted((m for m in matches if m.rule.action == "redact"
+                            and self.released <= m.start and m.end <= end),
+                           key=lambda m: m.start) if matches else ()
+        for m in delivered:
+            at = self.delivered_chars + len(self.matcher.render(self.released, m.start))
+            self.events.append(Intervention(
+                m.rule.id, "redact", at, at + len(m.rule.replacement),
+                suppressed=bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace"),
+            ))
         self.released = end
         self.released_tokens = self.matcher.clean_boundary_before(end)
         self.delivered_chars += len(text)

@@ -99,6 +99,9 @@ class _Checkpoint(NamedTuple):
     n_matches: int
 
 
+_new_checkpoint = tuple.__new__
+
+
 class StreamMatcher:
     def __init__(self, rules: RuleSet, deadline: float | None = None) -> None:
         """deadline (perf_counter): a whole-text scan, off the decode loop, whose searches
@@ -152,11 +155,14 @@ class StreamMatcher:
     def safe_point(self) -> int:
         """Raw byte offset before which text is final; pending UTF-8 bytes and a held space
         count as held back."""
-        n = len(self.norm.text)
-        first_unsafe = min(n - self.depth, min(self._in_making.values(), default=n))
+        norm = self.norm
+        n = len(norm.text)
+        first_unsafe = n - self.depth
+        if self._in_making:
+            first_unsafe = min(first_unsafe, *self._in_making.values())
         if first_unsafe < n:
-            return self.norm.raw_start[first_unsafe]
-        return self.norm.settled
+            return norm.raw_start[first_unsafe]
+        return norm.space[0] if norm.space else norm.decoded_len  # norm.settled
 
     @property
     def tokens(self) -> int:
@@ -205,29 +211,24 @@ class StreamMatcher:
     # -- literals -----------------------------------------------------------------------
 
     def _literals(self, new: str, found: list[Match]) -> None:
-        automaton = self.rules.literals.automaton
-        if automaton is None:
+        literals = self.rules.literals
+        if literals.automaton is None:
             return
         # A match that ends in the new text and begins before it begins with a live suffix
-        # of the text before it: no longer than `depth`. Each feed scans that suffix + new
-        # with a fresh iterator: pyahocorasick's `iter.set()` frees memory it does not own
-        # when the strings fed to one iterator differ in width (an emoji, then ASCII), which
-        # crashed the engine for everyone.
+        # of the text before it: no longer than `depth`. So each feed scans that suffix + new.
         live = self._tail
-        text = live + new
-        base = len(self.norm.text) - len(text)
-        scripts = self.rules.literals.scripts
-        for end, (pattern, owners) in automaton.iter(text):
-            if end < len(live):
-                continue  # ended in the tail: reported when that text was fed
-            end_excl = base + end + 1
-            start = end_excl - len(pattern)
-            if not accepts(scripts[pattern], self.norm.tags[start:end_excl]):
-                continue  # genuinely foreign text that happens to look like the pattern
-            for rule in owners:
-                found.append(self._match(rule, start, end_excl))
-        self.depth = self.rules.literals.depth(text)
-        self._tail = text[len(text) - self.depth :] if self.depth else ""
+        hits, self._tail = literals.scan(live, new)
+        if hits:
+            end_base = len(self.norm.text) - len(new) - len(live) + 1
+            scripts = literals.scripts
+            for end, pattern, owners in hits:
+                end_excl = end_base + end
+                start = end_excl - len(pattern)
+                if not accepts(scripts[pattern], self.norm.tags[start:end_excl]):
+                    continue  # genuinely foreign text that happens to look like the pattern
+                for rule in owners:
+                    found.append(self._match(rule, start, end_excl))
+        self.depth = len(self._tail)
 
     # -- regexes ------------------------------------------------------------------------
 
@@ -238,11 +239,11 @@ class StreamMatcher:
         before = n - len(new)
         # Only regexes with a match in the making, or whose match can begin with one of
         # the new characters, can change; a new match can only begin in the new text.
-        active = dict(self._in_making)
+        # The dict itself (no copy): nothing else holds it, checkpoints keep its items.
+        active, self._in_making = self._in_making, {}
         prev = self.norm.text[before - 1] if before else ""  # "" at the start: nothing
         for i in self.rules.regexes_starting_in(new, prev):
             active.setdefault(i, before)
-        self._in_making = {}
         if not active:
             return
         # The window holds every match in the making (none is longer than max_span + 1) and
@@ -262,31 +263,39 @@ class StreamMatcher:
         for i, pos in active.items():
             self._search(i, pos, window, base, final, found, concurrent)
 
-    def _regex(self, call: Callable[..., T], window: str, concurrent: bool | None,
-               **kwargs: Any) -> T:
-        """A regex search with the rules' timeout (TimeoutError: fail closed)."""
-        timeout = self.rules.regex_timeout_s
-        if self._deadline is None:  # streaming, on the decode loop: never retried
-            return call(window, timeout=timeout, concurrent=concurrent, **kwargs)
-        return within_cpu_budget(call, timeout, self._deadline, window, **kwargs)  # a whole text
+    def _budgeted(self, call: Callable[..., T]) -> Callable[..., T]:
+        """call, for a whole text: retried within its CPU budget until the deadline (see
+        within_cpu_budget, which decides whether it holds the GIL)."""
+        deadline = self._deadline
+        assert deadline is not None
+
+        def search(window: str, timeout: float, concurrent: bool | None, **kwargs: Any) -> T:
+            return within_cpu_budget(call, timeout, deadline, window, **kwargs)
+        return search
 
     def _search(self, i: int, pos: int, window: str, base: int, final: bool,
                 found: list[Match], concurrent: bool | None) -> None:
         """Report regex i's settled matches from pos on; remember one still in the making."""
         r = self.rules.regexes[i]
+        # Every search has the rules' timeout (TimeoutError: fail closed). Streaming, on the
+        # decode loop, a search is called directly (never retried): one call per search.
+        timeout = self.rules.regex_timeout_s
+        search, fullmatch = r.pattern.search, r.pattern.fullmatch
+        if self._deadline is not None:  # a whole text
+            search, fullmatch = self._budgeted(search), self._budgeted(fullmatch)
         n = base + len(window)
         while pos < n:
             try:
                 # At the end of the stream a match is what it is: no more partials.
-                m = self._regex(r.pattern.search, window, pos=pos - base, partial=not final,
-                                concurrent=concurrent)
+                m = search(window, pos=pos - base, partial=not final, timeout=timeout,
+                           concurrent=concurrent)
                 if m is None:
                     return
                 s, e = m.start() + base, m.end() + base
                 # `regex` prefers a complete match to a partial one: "15%" is complete in
                 # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
-                growing = not final and (m.partial or self._regex(
-                    r.pattern.fullmatch, window, pos=s - base, partial=True,
+                growing = not final and (m.partial or fullmatch(
+                    window, pos=s - base, partial=True, timeout=timeout,
                     concurrent=concurrent) is not None)
             except TimeoutError:  # a pattern that backtracks: fail closed, as a match of the rest
                 REGEX_TIMEOUTS.labels(r.rule.id).inc()
@@ -327,12 +336,15 @@ class StreamMatcher:
         return m
 
     def _snapshot(self) -> _Checkpoint:
-        # One per token: positional, and no tuple built for the (usually) empty dict.
+        # One per token: built in C (tuple.__new__ skips the NamedTuple's Python __new__),
+        # no decoder state asked when no byte is pending (see Normalizer.pending), and no
+        # tuple built for the (usually) empty dict.
         norm = self.norm
-        return _Checkpoint(norm.raw_len, norm.decoded_len, norm.pending, len(norm.text),
-                           norm.raw_end[-1] if norm.raw_end else 0, norm.space, self.depth,
-                           tuple(self._in_making.items()) if self._in_making else (),
-                           len(self.matches))
+        return _new_checkpoint(_Checkpoint, (
+            norm.raw_len, norm.decoded_len,
+            norm.pending if norm.raw_len != norm.decoded_len else b"", len(norm.text),
+            norm.raw_end[-1] if norm.raw_end else 0, norm.space, self.depth,
+            tuple(self._in_making.items()) if self._in_making else (), len(self.matches)))
 
 
 def scan_text(rules: RuleSet, text: str) -> list[Match]:

@@ -62,6 +62,23 @@ def plain_join(data: bytes, mode: str) -> tuple[str, bytes] | None:
     return data.decode().lower(), data.translate(_ASCII_TAGS)
 
 
+# data -> plain_join(data, PLAIN) (None: not plain ASCII), for token-sized data. A plain dict:
+# Normalizer.feed reads it once per token (a hit is one lookup); emptied when full.
+_PLAIN_MEMO: dict[bytes, tuple[str, bytes] | None] = {}
+_PLAIN_MEMO_SIZE = 1 << 16
+_PLAIN_MEMO_BYTES = 64  # longer data (a whole text) is not kept
+
+
+def _plain_missed(data: bytes) -> tuple[str, bytes] | None:
+    """plain_join(data, PLAIN), kept in _PLAIN_MEMO when data is short."""
+    found = plain_join(data, PLAIN)
+    if len(data) <= _PLAIN_MEMO_BYTES:
+        if len(_PLAIN_MEMO) >= _PLAIN_MEMO_SIZE:
+            _PLAIN_MEMO.clear()
+        _PLAIN_MEMO[data] = found
+    return found
+
+
 @lru_cache(maxsize=65536)
 def is_cjk(ch: str) -> bool:
     return _CJK.match(ch) is not None
@@ -125,7 +142,9 @@ class Normalizer:
 
     @property
     def pending(self) -> bytes:
-        return self._decoder.getstate()[0]
+        # Every byte fed but not decoded is pending (feed keeps the two counts so): with
+        # none, the decoder's state need not be asked.
+        return self._decoder.getstate()[0] if self.raw_len != self.decoded_len else b""
 
     @property
     def settled(self) -> int:
@@ -147,7 +166,19 @@ class Normalizer:
         before = len(self.text)
         held = self.raw_len - self.decoded_len  # pending bytes of a character begun earlier
         self.raw_len += len(data)
-        plain = plain_join(data, self.mode) if not held else None
+        # plain_join(data, self.mode), from a memo of plain_join(data, PLAIN): they differ
+        # only after a held space (CJK_SPACE: never plain) and for a leading space after a
+        # space or a CJK character (SPACE, CJK).
+        plain = None
+        if not held and self.space is None:
+            try:
+                plain = _PLAIN_MEMO[data]
+            except KeyError:
+                plain = _plain_missed(data)
+            except TypeError:  # unhashable (a bytearray): not kept
+                plain = plain_join(data, PLAIN)
+            if plain is not None and data[0] == 0x20 and self.mode != PLAIN:
+                plain = None
         if plain is not None:
             # Most tokens: one byte per character, nothing to fold but case.
             new, tags = plain

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeVar
 
 import ahocorasick
 import regex
@@ -32,6 +33,25 @@ def memoized(method: Callable, maxsize: int) -> Callable:
     reference counting frees it as soon as no request uses it."""
     ref = weakref.WeakMethod(method)
     return lru_cache(maxsize=maxsize)(lambda *args: ref()(*args))  # type: ignore[misc]
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def remember(memo: dict[K, V], key: K, value: V, maxsize: int) -> V:
+    """Keep `value` in a bounded memo (emptied when full) and return it.
+    The memos read once per token are plain dicts on their instance: a hit is one `get`,
+    cheaper than `memoized`'s lru_cache, and a dict of results (never a bound method) makes
+    no reference cycle. Dict operations are atomic: any thread may fill or empty it."""
+    if len(memo) >= maxsize:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+# Literals.scan's answer: ((end, pattern, owners), ...) and the live suffix after them.
+Scan = tuple[tuple[tuple[int, str, tuple[Rule, ...]], ...], str]
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,10 @@ class Literals:
         self.max_len = max((len(p) for p in self.keys), default=0)
         # Per token, the matcher and the mask ask for the live depth of a short suffix; the
         # same suffixes come back again and again, so answers are kept (bounded; thread-safe).
-        self._suffix_depth = memoized(self._longest_live_suffix, 1 << 16)
+        self._suffix_depth: dict[str, int] = {}
+        # The matcher's per-token scan of a short text (live tail + new characters): its
+        # hits and new depth, a function of that text alone (see scan).
+        self._scans: dict[tuple[str, str], Scan] = {}
 
     def is_live(self, s: str) -> bool:
         """Is s a proper prefix of some pattern (so a match may still grow from it)?"""
@@ -74,8 +97,33 @@ class Literals:
         if top <= 0:
             return 0
         suffix = text[len(text) - top :]
-        # Kept only when short: a pack's long literals would make each entry as long.
-        return self._suffix_depth(suffix) if top <= MEMO_CHARS else self._longest_live_suffix(suffix)
+        if top > MEMO_CHARS:  # kept only when short: a pack's long literals would make each entry as long
+            return self._longest_live_suffix(suffix)
+        depth = self._suffix_depth.get(suffix)
+        if depth is None:
+            depth = remember(self._suffix_depth, suffix, self._longest_live_suffix(suffix), 1 << 16)
+        return depth
+
+    def scan(self, live: str, new: str) -> Scan:
+        """The matches ending in `new` found in live + new (`live`: the text's live suffix
+        before `new`), as (end index in live + new, pattern, owners), and the live suffix of
+        live + new. Memoized for short texts: most tokens find nothing, and their texts recur."""
+        key = (live, new)
+        found = self._scans.get(key)
+        if found is not None:
+            return found
+        text = live + new
+        assert self.automaton is not None
+        # A fresh iterator per scan: pyahocorasick's `iter.set()` frees memory it does not
+        # own when the strings fed to one iterator differ in width (an emoji, then ASCII),
+        # which crashed the engine for everyone.
+        hits = tuple((end, pattern, owners) for end, (pattern, owners) in self.automaton.iter(text)
+                     if end >= len(live))  # one that ended in `live` was reported when it was fed
+        depth = self.depth(text)
+        found = (hits, text[len(text) - depth :] if depth else "")
+        if len(text) <= MEMO_CHARS:
+            remember(self._scans, key, found, 1 << 16)
+        return found
 
     def _longest_live_suffix(self, text: str) -> int:
         for length in range(len(text), 0, -1):
@@ -105,9 +153,9 @@ class RuleSet:
         # A token's characters come back again and again: answers are kept (bounded), per
         # kind of character before them (what the filters below read of it).
         self._by_char = memoized(self._starting_with, 1 << 16)
-        self._by_token = memoized(self._starting_in, 1 << 16)
+        self._by_token: dict[tuple[str, str], tuple[int, ...]] = {}  # (new, representative)
         self._kinds: dict[tuple[bool, ...], str] = {}
-        self._kind_of = memoized(self._representative, 1 << 12)
+        self._kind_of: dict[str, str] = {}  # prev -> its representative
 
     def regexes_starting_in(self, new: str, prev: str) -> tuple[int, ...]:
         """Indexes of the regexes whose match can begin in the (normalized) characters
@@ -116,7 +164,15 @@ class RuleSet:
             # A whole text (input rules, audit masking): one search per regex, in C with the
             # GIL released, costs less than finding out in Python which ones can start.
             return tuple(range(len(self.regexes)))
-        return self._by_token(new, self._kind_of(prev))
+        # Plain dicts (see remember): asked once per token.
+        kind = self._kind_of.get(prev)
+        if kind is None:
+            kind = remember(self._kind_of, prev, self._representative(prev), 1 << 12)
+        key = (new, kind)
+        found = self._by_token.get(key)
+        if found is None:
+            found = remember(self._by_token, key, self._starting_in(new, kind), 1 << 16)
+        return found
 
     def _starting_in(self, new: str, prev: str) -> tuple[int, ...]:
         """A match beginning at new[j] begins with new[j:] (new ends the text): its first
