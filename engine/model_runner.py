@@ -10,7 +10,9 @@ else waits for the device: `Launch.tokens` is the only synchronisation of a step
 engine calls it for step N after launching step N+1.
 
 A decode row whose token is still on the device (the engine's optimistic rows) takes it
-from the previous step's samples by index, on the device.
+from the previous step's samples by index, on the device. In a decode graph that gather,
+and the greedy sample of a step without bans (most steps), are part of the graph: each
+eager op costs the host ~10-20 us to issue, and at 128 rows the host sets the pace.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import structlog
@@ -32,9 +35,9 @@ from .sampler import BanIndex, DeviceParams, SamplingRows, sample
 log = structlog.get_logger(__name__)
 
 
-@dataclass
-class StepRow:
-    """One sequence's share of a step, as the device sees it."""
+class StepRow(NamedTuple):
+    """One sequence's share of a step, as the device sees it (a tuple: the engine builds one
+    per row and step)."""
 
     slot: int
     start: int  # KV position of the first token fed
@@ -45,12 +48,14 @@ class StepRow:
     top_k: int = 0
     top_p: float = 1.0
     key: int = 0  # noise key of the sampled position
-    bans: list[int] = field(default_factory=list)
+    bans: list[int] = []  # noqa: RUF012 (never mutated: the sampler reads ban lists by identity)
 
 
 @dataclass
 class Launch:
-    """A step in flight. `order[j]` is the index (in the launched rows) of sample row j."""
+    """A step in flight. `order[j]` is the index (in the launched rows) of sample row j. Its
+    host buffer and event serve the launch after next again: read `tokens` before then (the
+    engine reads step N's after launching N+1)."""
 
     order: list[int]
     _host: Tensor | None = None
@@ -70,7 +75,12 @@ class DecodeGraphs:
     """The decode step captured once per batch-size bucket; padding rows write to the
     cache's scratch slot. mixed_tokens > 0: the mixed step too (decode rows, then the tokens
     of prefill chunks as rows; model.decode with heads), per bucket of rows up to max_rows +
-    mixed_tokens, its logits those of at most max_rows rows (the most a step samples)."""
+    mixed_tokens, its logits those of at most max_rows rows (the most a step samples).
+
+    A graph also feeds its optimistic rows the previous step's samples (`prev`, which it
+    then overwrites with its own greedy sample: the runner writes there instead when the
+    step was masked or sampled) and returns that greedy sample (`sample` without bans or
+    parameters) beside the logits."""
 
     def __init__(self, model, max_rows: int, mixed_tokens: int = 0) -> None:
         self.model = model
@@ -82,11 +92,13 @@ class DecodeGraphs:
         self.mixed_buckets = sorted({*range(16, min(max_rows, most), 16),
                                      *range(max_rows, most, 32), most}) if mixed_tokens else []
         self.max_heads = max_rows
-        self.inputs = torch.zeros(3, most, dtype=torch.long, device=model.device)
+        # ids, positions, slots, from-previous flag, previous row (as _decode_inputs lays out)
+        self.inputs = torch.zeros(5, most, dtype=torch.long, device=model.device)
         self.inputs[2].fill_(model.cache.scratch)
         self.heads = torch.zeros(max_rows, dtype=torch.long, device=model.device)
         self.groups = torch.zeros(2, most, dtype=torch.long, device=model.device)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.prev = torch.zeros(max_rows, dtype=torch.long, device=model.device)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
 
     def bucket(self, rows: int, mixed: bool = False) -> int:
         return next(b for b in (self.mixed_buckets if mixed else self.buckets) if b >= rows)
@@ -101,25 +113,34 @@ class DecodeGraphs:
         for size, mixed in sorted(shapes, reverse=True):  # largest first: the smaller reuse its memory
             heads, groups = (self.heads[: self.head_rows(size)], self.groups[:, :size]) if mixed \
                 else (None, None)
-            forward = functools.partial(self.model.decode, *self.inputs[:, :size], heads, groups)
-            graph, out = _captured(forward, pool)
+            graph, out = _captured(functools.partial(self._step, size, heads, groups), pool)
             pool = graph.pool()
             self._graphs[size, mixed] = (graph, out)
         torch.cuda.synchronize()
 
+    def _step(self, size: int, heads: Tensor | None, groups: Tensor | None) -> tuple[Tensor, Tensor]:
+        ids, positions, slots, ahead, prev_row = self.inputs[:, :size]
+        # A row that had nothing allowed sampled -1: fed as token 0, its result is dropped.
+        ids = torch.where(ahead.bool(), self.prev[prev_row].clamp(min=0), ids)
+        logits = self.model.decode(ids, positions, slots, heads, groups)
+        greedy = sample(logits, None, None)
+        self.prev[: greedy.shape[1]].copy_(greedy[0])
+        return logits, greedy
+
     def run(self, inputs: Tensor, rows: int, heads: Tensor | None = None,
-            groups: Tensor | None = None) -> Tensor:
-        """inputs: (3, bucket) ids, positions, slots, padding included; heads and groups
-        (mixed): the rows whose logits are wanted, padded to the bucket's head_rows, and the
-        rows' attention groups, (2, bucket)."""
+            groups: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """inputs: (5, bucket) as _decode_inputs lays them out, padding included; heads and
+        groups (mixed): the rows whose logits are wanted, padded to the bucket's head_rows,
+        and the rows' attention groups, (2, bucket). The logits of the first `rows` rows and
+        their greedy sample, (2, rows) as `sample` returns it."""
         size = inputs.shape[1]
         self.inputs[:, :size].copy_(inputs)
         if heads is not None:
             self.heads[: heads.numel()].copy_(heads)
             self.groups[:, :size].copy_(groups)
-        graph, out = self._graphs[size, heads is not None]
+        graph, (logits, greedy) = self._graphs[size, heads is not None]
         graph.replay()
-        return out[:rows]
+        return logits[:rows], greedy[:, :rows]
 
 
 class PrefillGraphs:
@@ -249,8 +270,10 @@ class ModelRunner:
         self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
         self._cuda = device.type == "cuda"
+        # The sampled ids' host copies and their events, two in turn (see Launch.tokens).
         self._pinned = [torch.empty(4 * self.n_slots, dtype=torch.long, pin_memory=True)
                         for _ in range(2)] if self._cuda else []
+        self._done = [torch.cuda.Event() for _ in range(2)] if self._cuda else []
         self._flip = 0
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -323,11 +346,12 @@ class ModelRunner:
         if graphed is not None:
             parts.append(graphed[1])
         staged = self._staging.put(parts, torch.long) if parts else []
-        logits = []
+        logits, greedy = [], None
         if decode:
             inputs = staged.pop(0).view(5, -1)
             heads, groups = (staged.pop(0), staged.pop(0).view(2, -1)) if mixed else (None, None)
-            logits.append(self._decode(decode_rows, inputs, heads, groups, len(order)))
+            decoded, greedy = self._decode(decode_rows, inputs, heads, groups, len(order))
+            logits.append(decoded)
         bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
         device_params = None
         if params.sampled:
@@ -343,14 +367,19 @@ class ModelRunner:
         logits = [x for x in logits if x.shape[0]]
         if not order:
             return Launch(order)
-        out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), device_params, bans)
+        if greedy is not None and len(logits) == 1 and bans is None and device_params is None:
+            out = greedy  # the graph sampled the step and kept it in graphs.prev
+        else:
+            out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), device_params, bans)
+            if self.graphs is not None:
+                self.graphs.prev[: out.shape[1]].copy_(out[0])
         self._prev = out[0]
         if not self._cuda:
             return Launch(order, out)
         host = self._pinned[self._flip][: 2 * len(order)].view(2, len(order))
+        done = self._done[self._flip]
         self._flip ^= 1
         host.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()
         done.record()
         return Launch(order, host, done)
 
@@ -383,19 +412,20 @@ class ModelRunner:
         return [out.reshape(-1), _padded(heads, width, 0), groups.reshape(-1)]
 
     def _decode(self, rows: list[StepRow], inputs: Tensor, heads: Tensor | None,
-                groups: Tensor | None, sampled: int) -> Tensor:
-        """The decode rows' logits; a mixed step's (heads) are the step's `sampled` rows'."""
+                groups: Tensor | None, sampled: int) -> tuple[Tensor, Tensor | None]:
+        """The decode rows' logits (a mixed step's, heads, are the step's `sampled` rows'),
+        and in a graph their greedy sample."""
         logit_rows = len(rows) if heads is None else sampled
+        if self.graphs is not None:
+            return self.graphs.run(inputs, logit_rows, heads, groups)
         if any(not r.tokens for r in rows):
             # Optimistic rows: the previous step's sample, on the device. A row that had
             # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
             ahead = self._prev[inputs[4]].clamp(min=0)
             inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
-        if self.graphs is not None:
-            return self.graphs.run(inputs[:3], logit_rows, heads, groups)
         if heads is None:
-            return self.model.decode(inputs[0], inputs[1], inputs[2])
-        return self.model.decode(inputs[0], inputs[1], inputs[2], heads, groups)[:logit_rows]
+            return self.model.decode(inputs[0], inputs[1], inputs[2]), None
+        return self.model.decode(inputs[0], inputs[1], inputs[2], heads, groups)[:logit_rows], None
 
     def warm_up(self) -> None:
         """A prefill and an eager decode on the scratch slot: a kernel the device refuses

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
@@ -60,9 +60,8 @@ from .sequence import Sequence, Sink, Status
 MIXED_MAX_POSITION = 1024
 
 
-@dataclass(frozen=True)
-class Row:
-    """One sequence's share of a step."""
+class Row(NamedTuple):
+    """One sequence's share of a step (a tuple: one is built per row and step)."""
 
     seq: Sequence
     start: int  # KV position of the first token fed

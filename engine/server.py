@@ -9,6 +9,7 @@ exception while preparing a request fails that request alone.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -38,30 +39,57 @@ class _Preparing:
     cancelled: bool = False  # its cancel came first: it ends without being submitted
 
 
-class StreamSink:
-    """Hands one gateway stream's events from the engine thread to its asyncio loop."""
+class Doorbell:
+    """Hands steps to one asyncio loop from any thread, waking it once for every step handed
+    over before it runs: the engine delivers to each gateway stream in a row, and each
+    wakeup writes to the loop's self-pipe, after which its thread competes with the engine
+    loop's for the GIL (a wakeup per stream and step was ~2% of the loop at 128 streams)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, engine_pb2.EngineStep]] = []
+
+    def put(self, queue: asyncio.Queue, step: engine_pb2.EngineStep) -> None:
+        with self._lock:
+            self._pending.append((queue, step))
+            if len(self._pending) > 1:
+                return  # a wakeup is on its way
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, step in pending:
+            queue.put_nowait(step)
+
+
+class StreamSink:
+    """Hands one gateway stream's events from the engine thread to its asyncio loop."""
+
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
         self.steps: asyncio.Queue[engine_pb2.EngineStep] = asyncio.Queue()
         self.closed = False  # the stream ended: nothing more is submitted for it
 
     def deliver(self, events: list[chat_pb2.ChatServerMessage]) -> None:
-        step = engine_pb2.EngineStep(events=events)
-        self._loop.call_soon_threadsafe(self.steps.put_nowait, step)
+        self._doorbell.put(self.steps, engine_pb2.EngineStep(events=events))
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: LLMEngine, rules: PolicyHolder | None = None) -> None:
         self.engine = engine
         self.rules = rules  # for the reload counts the gateway turns into admin audit events
+        self._doorbell: Doorbell | None = None  # of the loop that serves the streams
 
     async def Generate(
         self,
         request_iterator: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineStep]:
-        sink = StreamSink(asyncio.get_running_loop())
+        if self._doorbell is None:
+            self._doorbell = Doorbell(asyncio.get_running_loop())
+        sink = StreamSink(self._doorbell)
         reader = asyncio.create_task(self._read(request_iterator, sink))
         sent: engine_pb2.EngineStatus | None = None
         try:

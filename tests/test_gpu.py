@@ -239,6 +239,12 @@ def _inputs(rows: int, positions: list[int]) -> tuple[torch.Tensor, ...]:
     return ids, torch.tensor(positions, device="cuda"), torch.arange(rows, device="cuda")
 
 
+def _graph_inputs(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A decode graph's (5, rows) inputs for rows fed from the host (none optimistic)."""
+    zero = torch.zeros_like(ids)
+    return torch.stack([ids, positions, slots, zero, zero])
+
+
 @pytest.mark.parametrize("rows", [1, 16])  # buckets (the eager step runs the same shapes); 1: the GEMVs
 def test_graph_replay_equals_the_eager_step(graphed, rows):
     model, runner = graphed.model, graphed.runner
@@ -246,9 +252,37 @@ def test_graph_replay_equals_the_eager_step(graphed, rows):
     assert "gemv-one-row" in graphed.mode
     model.prefill([(s, 0, list(range(200 + s, 230 + s))) for s in range(rows)], [False] * rows)
     ids, positions, slots = _inputs(rows, [30] * rows)
+    from finsieve.engine.sampler import sample
+
     eager = model.decode(ids, positions, slots).clone()
-    replayed = runner.graphs.run(torch.stack([ids, positions, slots]), rows).clone()
+    replayed, greedy = runner.graphs.run(_graph_inputs(ids, positions, slots), rows)
     assert torch.equal(eager, replayed)
+    assert torch.equal(greedy, sample(eager, None, None))  # the graph's own greedy sample
+
+
+def test_a_graphed_step_feeds_optimistic_rows_and_samples_as_the_eager_runner(graphed, monkeypatch):
+    """Two launches through the runner: the second's rows take the first's samples on the
+    device (optimistic rows) and the graph samples greedily itself; the same tokens as the
+    runner without graphs (the eager gather and sample), and a banned token is masked."""
+    from finsieve.engine.model_runner import StepRow
+
+    model, runner = graphed.model, graphed.runner
+
+    def two_steps(bans: list[int]) -> list[list[tuple[int, int]]]:  # 4 rows: a bucket's shape
+        model.prefill([(s, 0, list(range(200 + s, 230 + s))) for s in range(4)], [False] * 4)
+        first = runner.launch([StepRow(s, 30, [100 + s]) for s in range(4)])
+        second = runner.launch([*(StepRow(s, 31, [], prev=s) for s in range(3)),
+                                StepRow(3, 31, [], prev=3, bans=bans)])
+        return [first.tokens(), second.tokens()]
+
+    graphed_tokens = two_steps([])
+    monkeypatch.setattr(runner, "graphs", None)
+    assert two_steps([]) == graphed_tokens
+    monkeypatch.undo()
+    banned = graphed_tokens[1][3][0]
+    masked = two_steps([banned])
+    assert masked[1][:3] == graphed_tokens[1][:3] and masked[1][3][0] != banned
+    assert masked[1][3][1] == banned  # the first choice, before the mask
 
 
 def test_prefill_graph_replay_matches_the_eager_prefill(graphed):
@@ -329,7 +363,7 @@ def test_a_step_launches_without_waiting_for_the_device(graphed, monkeypatch, mi
             StepRow(1, 30, [8], temperature=0.7, top_k=40, top_p=0.9, key=123, bans=[3]),
             StepRow(2, 0, list(range(100, 150)), bans=[1, 2])]
     first = runner.launch(rows[:1]).tokens()[0][0]  # (a step again at the same positions
-    rows[0].bans = [5, first, 49151]                # gives the same logits)
+    rows[0] = rows[0]._replace(bans=[5, first, 49151])  # gives the same logits)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -372,7 +406,7 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
     heads[:3] = torch.tensor([0, 1, 47])
     groups = torch.from_numpy(chunk_groups(2, [46], model.chunk_tokens, 48)).cuda()
     eager = model.decode(ids, positions, slots, heads, groups)[:3].clone()
-    replayed = graphs.run(torch.stack([ids, positions, slots]), 3, heads, groups).clone()
+    replayed = graphs.run(_graph_inputs(ids, positions, slots), 3, heads, groups)[0].clone()
     assert torch.equal(eager, replayed)
     assert _first_choices(apart, eager.argmax(-1).tolist())
     # the chunk's rows attending in groups or each alone: the same logits (a group of a few
@@ -400,7 +434,8 @@ def test_rollback_by_truncation_reproduces_logits_on_cuda(graphed):
     graphed.model.prefill([(0, 0, list(range(100, 130)))], [False])
 
     def step(token: int, position: int) -> torch.Tensor:
-        return runner.graphs.run(torch.tensor([[token], [position], [0]], device="cuda"), 1).clone()
+        inputs = torch.tensor([[token], [position], [0], [0], [0]], device="cuda")
+        return runner.graphs.run(inputs, 1)[0].clone()
 
     first = step(11, 30)
     step(12, 31)
