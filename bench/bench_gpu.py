@@ -467,7 +467,7 @@ def _graph_replay_ms(engine) -> dict:
     for size in (1, 16, 64, 128):
         if size not in graphs.buckets:
             continue
-        inputs = torch.zeros(3, size, dtype=torch.long, device="cuda")
+        inputs = torch.zeros(5, size, dtype=torch.long, device="cuda")  # none optimistic
         inputs[1] = 500  # attend 501 positions, a typical context here
         inputs[2] = torch.arange(size, device="cuda") % engine.max_batch
         times = []
@@ -1019,7 +1019,7 @@ def _prefill_costs(engine) -> dict:
 
     m, graphs = engine.model, engine.runner.graphs
     size = graphs.buckets[-1] if graphs else 0  # the largest decode bucket (128 here)
-    rows = torch.zeros(3, size, dtype=torch.long, device="cuda")
+    rows = torch.zeros(5, size, dtype=torch.long, device="cuda")  # none optimistic
     rows[1] = min(500, m.cache.max_len - 1)
     rows[2] = torch.arange(size, device="cuda") % m.n_slots
     out = {}
