@@ -457,7 +457,8 @@ def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = Tr
 
 
 def _graph_replay_ms(engine) -> dict:
-    """Device time of one decode step's graph alone (no sampling, no host work), per bucket."""
+    """Device time of one decode step's graph alone (its greedy sample included, no host
+    work), per bucket. Each replay writes the graphs' `prev`: not between an engine's launches."""
     import torch
 
     graphs = engine.runner.graphs
@@ -1300,7 +1301,8 @@ def table(r: dict) -> str:
                      f"= {b['prefill_flops_per_s'] / 1e12:.0f} TFLOP/s incl. interleaved decode")
     gr = r.get("inprocess", {}).get("graph_replay_ms")
     if gr:
-        lines.append("decode graph replay alone (device time, 501 positions): " + ", ".join(
+        lines.append("decode graph replay alone (device time, its greedy sample included, "
+                     "501 positions): " + ", ".join(
             f"batch {k}: {v:.2f} ms" for k, v in gr.items()))
     bp = r.get("inprocess", {}).get("bare_prefill")
     if bp:

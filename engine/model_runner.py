@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,7 +48,7 @@ class StepRow(NamedTuple):
     top_k: int = 0
     top_p: float = 1.0
     key: int = 0  # noise key of the sampled position
-    bans: list[int] = []  # noqa: RUF012 (never mutated: the sampler reads ban lists by identity)
+    bans: Sequence[int] = ()  # sorted; the sampler keeps a list's array by its identity
 
 
 @dataclass

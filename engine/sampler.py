@@ -18,6 +18,7 @@ the rules' mask (so the engine can say when the mask steered the answer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +66,7 @@ class SamplingRows:
     top_k: list[int]  # 0: off
     top_p: list[float]  # 1: off
     keys: list[int]  # noise_key(seed, position)
-    bans: list[list[int]]  # sorted token ids each row may not take
+    bans: list[Sequence[int]]  # sorted token ids each row may not take
 
     @property
     def sampled(self) -> bool:
@@ -105,10 +106,10 @@ class BanIndex:
 
     def __init__(self, vocab: int, capacity: int = 4096) -> None:
         self._vocab = vocab
-        self._arrays: dict[int, tuple[list[int], np.ndarray]] = {}
+        self._arrays: dict[int, tuple[Sequence[int], np.ndarray]] = {}
         self._capacity = capacity
 
-    def array(self, bans: list[int]) -> np.ndarray:
+    def array(self, bans: Sequence[int]) -> np.ndarray:
         hit = self._arrays.get(id(bans))
         if hit is not None and hit[0] is bans:
             return hit[1]
@@ -121,7 +122,7 @@ class BanIndex:
         self._arrays[id(bans)] = (bans, arr)  # the list is kept alive, so its id stays its own
         return arr
 
-    def flat(self, bans: list[list[int]]) -> np.ndarray | None:
+    def flat(self, bans: list[Sequence[int]]) -> np.ndarray | None:
         """(2, n) row and column indices of every ban of the step, or None."""
         arrays = [self.array(b) if b else _NO_BANS for b in bans]
         lengths = [len(a) for a in arrays]

@@ -46,7 +46,7 @@ class Doorbell:
     loop's for the GIL (a wakeup per stream and step was ~2% of the loop at 128 streams)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self.loop = loop
         self._lock = threading.Lock()
         self._pending: list[tuple[asyncio.Queue, engine_pb2.EngineStep]] = []
 
@@ -55,7 +55,12 @@ class Doorbell:
             self._pending.append((queue, step))
             if len(self._pending) > 1:
                 return  # a wakeup is on its way
-        self._loop.call_soon_threadsafe(self._drain)
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: no later step may wait for a wakeup lost here
+            with self._lock:
+                self._pending.clear()
+            raise
 
     def _drain(self) -> None:
         with self._lock:
@@ -80,15 +85,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: LLMEngine, rules: PolicyHolder | None = None) -> None:
         self.engine = engine
         self.rules = rules  # for the reload counts the gateway turns into admin audit events
-        self._doorbell: Doorbell | None = None  # of the loop that serves the streams
+        self._doorbell: Doorbell | None = None  # of the loop that serves the streams (one)
 
     async def Generate(
         self,
         request_iterator: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineStep]:
-        if self._doorbell is None:
-            self._doorbell = Doorbell(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._doorbell is None or self._doorbell.loop is not loop:
+            self._doorbell = Doorbell(loop)
         sink = StreamSink(self._doorbell)
         reader = asyncio.create_task(self._read(request_iterator, sink))
         sent: engine_pb2.EngineStatus | None = None
