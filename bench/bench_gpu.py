@@ -544,10 +544,11 @@ def _bare_prefill(engine, args) -> dict:
 # -- through gRPC ------------------------------------------------------------------------
 
 def _client_proc(target: str, key: str, texts: list[str], streams: list[int], rounds: int,
-                 max_tokens: int, queue, start) -> None:
+                 max_tokens: int, queue, start, spread_s: float = 0.0, n: int = 1) -> None:
     """A client process: its share of the streams, one channel (TCP connection) each. It
     starts when every client has imported what it needs (`start`, a barrier): a client's
-    start-up is not the server's time."""
+    start-up is not the server's time. spread_s: stream i of n sends its first request
+    i * spread_s / n seconds after the start (see grpc_level)."""
     from finsieve.client import Credentials, chat_request
     from finsieve.grpc_server import CHANNEL_OPTIONS
     from finsieve.v1 import chat_pb2, chat_pb2_grpc
@@ -559,6 +560,7 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
         options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
         async with Credentials(api_key=key).channel(target, options) as channel:
             stub = chat_pb2_grpc.GatewayStub(channel)
+            await asyncio.sleep(spread_s * i / n)
             for r in range(rounds):
                 req = chat_request(f"s{i}-{r}", texts[(i + r * 7) % len(texts)], max_tokens=max_tokens)
 
@@ -582,7 +584,10 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
                         break
                 out.append({"ttft": times[0] - t0 if times else None, "tokens": sum(tokens),
                             "gaps": [b - a for a, b in itertools.pairwise(times)],
-                            "error": error, "policy_version": version, "finish": finish})
+                            "error": error, "policy_version": version, "finish": finish,
+                            # for a steady window (perf_counter is one clock for every process)
+                            "stream": i, "round": r, "end": time.perf_counter(),
+                            "deltas": list(zip(times, tokens, strict=True)) if spread_s else []})
         return out
 
     async def main() -> list[dict]:
@@ -593,13 +598,21 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
 
 
 def grpc_level(target: str, key: str, texts: list[str], n: int, rounds: int, max_tokens: int,
-               procs: int, timeout: float = 300) -> dict:
+               procs: int, timeout: float = 300, spread_s: float = 0.0) -> dict:
+    """n streams of `rounds` requests each through the gateways, from `procs` client
+    processes. spread_s > 0: the streams start spread_s / n seconds apart (about one answer's
+    time in all, so that they run out of phase, as a server's clients do past a start-up),
+    and the row counts only the tokens delivered while every stream has a request running:
+    from the last stream's first token to the first stream's last answer (the steady state,
+    as bench_gpu's in-process `steady` rows; without it a level is two cold rounds, whose
+    prefill bursts and TTFT weigh as much as the decode steps)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     shares = [list(range(n))[i::procs] for i in range(min(procs, n))]
     barrier = ctx.Barrier(len(shares) + 1)
     workers = [ctx.Process(target=_client_proc,
-                           args=(target, key, texts, share, rounds, max_tokens, queue, barrier))
+                           args=(target, key, texts, share, rounds, max_tokens, queue, barrier,
+                                 spread_s, n))
                for share in shares]
     for w in workers:
         w.start()
@@ -617,8 +630,30 @@ def grpc_level(target: str, key: str, texts: list[str], n: int, rounds: int, max
     wall = time.perf_counter() - start
     if not reqs:
         raise TimeoutError(f"{n} streams: no client finished within {timeout:.0f} s")
-    row = summarize(reqs, wall)
+    row = summarize(reqs, wall) if not spread_s else _steady_row(reqs)
     row["policy_versions"] = sorted({r["policy_version"] for r in reqs})
+    return row
+
+
+def _steady_row(reqs: list[dict]) -> dict:
+    """A spread level's row over its steady window (see grpc_level)."""
+    streams = {r["stream"] for r in reqs}
+    firsts = {r["stream"]: r["deltas"][0][0] for r in reqs if r["round"] == 0 and r["deltas"]}
+    lasts = {}
+    for r in reqs:
+        lasts[r["stream"]] = max(lasts.get(r["stream"], 0.0), r["end"])
+    if len(firsts) < len(streams):
+        return {"error": "a stream's first request delivered nothing", "tokens_per_s": 0,
+                "ttft_p50_ms": 0, "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0, "errors": 0}
+    t_a, t_b = max(firsts.values()), min(lasts.values())
+    if t_b <= t_a:
+        return {"error": "no steady window (answers too short for the streams' spread)",
+                "tokens_per_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0, "itl_p50_ms": 0,
+                "itl_p99_ms": 0, "errors": 0}
+    row = summarize(reqs, t_b - t_a)
+    row["tokens"] = sum(n for r in reqs for t, n in r["deltas"] if t_a <= t <= t_b)
+    row["tokens_per_s"] = row["tokens"] / row["wall_s"]
+    row["steady_window_s"] = row["wall_s"]
     return row
 
 
@@ -723,9 +758,13 @@ def phase_serve(args) -> dict:
                 processes = {"engine": [engine.pid], "preparation workers": _children(engine.pid),
                              "gateways": [g.pid for g in gateways], "valkey": [valkey.process.pid]}
                 cpu, steps = _cpu_seconds(processes), _engine_metrics(metrics_port)
+                steady = args.serve_steady > 0 and n > 1
                 try:
-                    row = grpc_level(target, key, texts, n, args.rounds, args.max_tokens,
-                                     args.client_procs, timeout=time_left(args) - 25)
+                    row = grpc_level(target, key, texts, n,
+                                     args.steady_rounds if steady else args.rounds,
+                                     args.max_tokens, args.client_procs,
+                                     timeout=time_left(args) - 25,
+                                     spread_s=args.serve_steady if steady else 0.0)
                 except Exception as e:
                     row = {"error": repr(e)[:300], "tokens_per_s": 0, "ttft_p50_ms": 0,
                            "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0}
@@ -736,9 +775,10 @@ def phase_serve(args) -> dict:
                     row["py_spy"] = {who: _py_spy_summary(path) for who, path in samples.items()}
                 row["cpu_s"] = {k: round(v - cpu[k], 2) for k, v in _cpu_seconds(processes).items()}
                 row["engine_steps"] = _step_stats(steps, _engine_metrics(metrics_port))
-                row.update(streams=n, rules=name)
+                row.update(streams=n, rules=name, steady=steady)
                 levels.append(row)
-                print(f"  gRPC {n:>3} streams rules {name}: {row['tokens_per_s']:.0f} tok/s, "
+                print(f"  gRPC {n:>3} streams rules {name}{' steady' if steady else ''}: "
+                      f"{row['tokens_per_s']:.0f} tok/s, "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row.get('errors')} "
                       f"{row.get('error_examples') or row.get('error', '')}, finishes "
                       f"{row.get('finishes')}; engine steps {row['engine_steps']}; CPU seconds "
@@ -1283,7 +1323,8 @@ def table(r: dict) -> str:
                              ("inprocess", "steady_threads", "steady-th"),
                              ("inprocess", "mixed_sweep", "steady-mix"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
-            label = f"mix-{row['mixed_tokens']}" if "mixed_tokens" in row else path
+            label = f"mix-{row['mixed_tokens']}" if "mixed_tokens" in row else \
+                "serve-st" if row.get("steady") else path
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None
             itl = (row.get("step_p50_ms"), row.get("step_p99_ms")) if phase == "inprocess" else (
@@ -1350,6 +1391,10 @@ def main() -> None:
                          "with these budgets (each at most --mixed-tokens)")
     ap.add_argument("--sweep-from", type=int, default=64,
                     help="in-process: the fewest streams --mixed-sweep runs at")
+    ap.add_argument("--serve-steady", type=float, default=0.0, metavar="SECONDS",
+                    help="serve: levels of more than one stream run --steady-rounds requests a "
+                         "stream, the streams starting over SECONDS (about one answer's time), "
+                         "and count the tokens of the window in which every stream runs")
     ap.add_argument("--steady-rounds", type=int, default=4,
                     help="requests per stream in a steady row (its window is ~rounds - 1 answers)")
     ap.add_argument("--gateways", type=int, default=4)
