@@ -37,8 +37,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .matcher import StreamMatcher
+from .memo import memoized
 from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk, plain_join
-from .pack import MEMO_CHARS, Literals, memoized
+from .pack import MEMO_CHARS, Literals
 from .scripts import ALNUM, accepts, script_tag
 
 FORMAT = 2

@@ -35,6 +35,7 @@ from functools import lru_cache
 import disarm
 import regex
 
+from .memo import remember
 from .scripts import ALNUM, LATIN, script_tag
 from .utf8 import replaced_in_step
 
@@ -73,9 +74,7 @@ def _plain_missed(data: bytes) -> tuple[str, bytes] | None:
     """plain_join(data, PLAIN), kept in _PLAIN_MEMO when data is short."""
     found = plain_join(data, PLAIN)
     if len(data) <= _PLAIN_MEMO_BYTES:
-        if len(_PLAIN_MEMO) >= _PLAIN_MEMO_SIZE:
-            _PLAIN_MEMO.clear()
-        _PLAIN_MEMO[data] = found
+        remember(_PLAIN_MEMO, data, found, _PLAIN_MEMO_SIZE)
     return found
 
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import weakref
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import TypeVar
 
 import ahocorasick
 import regex
 
 from .first_chars import first_chars, is_word
+from .memo import memoized, remember
 from .normalize import VIEW_VERSION
 from .schema import REGEX_FLAGS, Rule, load_rules
 from .scripts import regex_scripts, scripts_of
@@ -23,31 +20,6 @@ from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 MEMO_CHARS = 64  # longest text whose answers are memoized (entries are bounded in number)
-
-
-def memoized(method: Callable, maxsize: int) -> Callable:
-    """A bounded, thread-safe memo of a bound method that holds its instance weakly.
-    `lru_cache(maxsize)(self.method)` kept on self is a reference cycle: a pack replaced by a
-    reload would wait for the cyclic garbage collector, which the serving processes keep
-    away from what was alive at start-up (`gc.freeze`, serve.py). Without the cycle,
-    reference counting frees it as soon as no request uses it."""
-    ref = weakref.WeakMethod(method)
-    return lru_cache(maxsize=maxsize)(lambda *args: ref()(*args))  # type: ignore[misc]
-
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-def remember(memo: dict[K, V], key: K, value: V, maxsize: int) -> V:
-    """Keep `value` in a bounded memo (emptied when full) and return it.
-    The memos read once per token are plain dicts on their instance: a hit is one `get`,
-    cheaper than `memoized`'s lru_cache, and a dict of results (never a bound method) makes
-    no reference cycle. Dict operations are atomic: any thread may fill or empty it."""
-    if len(memo) >= maxsize:
-        memo.clear()
-    memo[key] = value
-    return value
 
 
 # Literals.scan's answer: ((end, pattern, owners), ...) and the live suffix after them.
