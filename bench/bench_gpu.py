@@ -235,6 +235,12 @@ def summarize(reqs: list[dict], wall: float, steps: list[float] | None = None) -
     return row
 
 
+def _no_row(error: str, **more) -> dict:
+    """A level's row when it measured nothing: the reason, and zeros where the figures go."""
+    return {"error": error, "tokens_per_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0,
+            "itl_p50_ms": 0, "itl_p99_ms": 0, **more}
+
+
 def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_tokens: int,
                      burst: bool = False, spread: bool = False) -> dict:
     """`streams` closed-loop streams, `rounds` requests each, the engine's steps driven on
@@ -315,8 +321,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     else:
         t_a, t_b = all_running, idle_from or time.perf_counter()
         if t_b <= t_a:  # a stream was done before the last one started: no steady window
-            return {"error": "no steady window (answers too short for the streams' spread)",
-                    "tokens_per_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0, "errors": 0}
+            return _no_row("no steady window (answers too short for the streams' spread)", errors=0)
         row = summarize([r for r in done if t_a <= r["submitted"] <= t_b], t_b - t_a,
                         [d for t, d in steps if t_a <= t <= t_b])
         row["tokens"] = sum(n for sink in sinks for t, n in zip(sink.times, sink.tokens, strict=True)
@@ -643,13 +648,10 @@ def _steady_row(reqs: list[dict]) -> dict:
     for r in reqs:
         lasts[r["stream"]] = max(lasts.get(r["stream"], 0.0), r["end"])
     if len(firsts) < len(streams):
-        return {"error": "a stream's first request delivered nothing", "tokens_per_s": 0,
-                "ttft_p50_ms": 0, "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0, "errors": 0}
+        return _no_row("a stream's first request delivered nothing", errors=0)
     t_a, t_b = max(firsts.values()), min(lasts.values())
     if t_b <= t_a:
-        return {"error": "no steady window (answers too short for the streams' spread)",
-                "tokens_per_s": 0, "ttft_p50_ms": 0, "ttft_p99_ms": 0, "itl_p50_ms": 0,
-                "itl_p99_ms": 0, "errors": 0}
+        return _no_row("no steady window (answers too short for the streams' spread)", errors=0)
     row = summarize(reqs, t_b - t_a)
     row["tokens"] = sum(n for r in reqs for t, n in r["deltas"] if t_a <= t <= t_b)
     row["tokens_per_s"] = row["tokens"] / row["wall_s"]
@@ -766,8 +768,7 @@ def phase_serve(args) -> dict:
                                      timeout=time_left(args) - 25,
                                      spread_s=args.serve_steady if steady else 0.0)
                 except Exception as e:
-                    row = {"error": repr(e)[:300], "tokens_per_s": 0, "ttft_p50_ms": 0,
-                           "ttft_p99_ms": 0, "itl_p50_ms": 0, "itl_p99_ms": 0}
+                    row = _no_row(repr(e)[:300])
                 for spy in filter(None, spies):
                     spy.send_signal(signal.SIGINT)  # py-spy writes its samples and exits
                     spy.wait(30)
