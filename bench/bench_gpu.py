@@ -1189,10 +1189,11 @@ def _graph_ms(fn, reps: int = 28) -> float:
 
 
 def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
-    """The decode attention kernel's choices, timed over one layer's cache (lengths 128-768):
-    tile and split at 1, 64 and 128 rows (the programs per row as launched), the programs
-    per row at the current tile, and a mixed step's (64 rows and a fresh 256-token chunk)
-    with the chunk's rows alone and grouped. Microseconds per layer, share of the copy rate."""
+    """The decode attention kernel's choices, timed over one layer's cache (lengths 128-768)
+    at 1, 64 and 128 rows: as launched, and by tile (positions an iteration), pipeline
+    stages and programs a row (`--sweeps tiles`: every tile and stage count); a mixed step's
+    (64 rows and a fresh 256-token chunk) with the chunk's rows alone and grouped.
+    Microseconds per layer, share of the copy rate."""
     import torch
 
     from finsieve.engine import attention
@@ -1201,7 +1202,8 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
     dev = cache_k.device
     rows_max = min(128, cache_k.shape[0] - 1)  # the last slot is the scratch
     heads, kv_heads, dim = m.n_heads, m.n_kv_heads, m.head_dim
-    current = (m.split_len, attention.BLOCK_N, attention.WARPS, attention.STAGES)
+    sweep = [dict(block_n=bn, stages=st, programs=p) for bn, st, p in itertools.product(
+        (32, 64), (1, 2, 3) if tiles else (2,), (1, 2, 3, 4, 8, 32))]
 
     def timed(label: str, configs: list[dict], kv_bytes: int, call) -> dict:
         timings = []
@@ -1216,7 +1218,7 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
                             "of_copy": kv_bytes / (us / 1e6) / bandwidth if bandwidth else None})
         timings.sort(key=lambda t: t["us"])
         for t in [*timings[:3], *(t for t in timings[3:] if not t.get("programs"))]:
-            print(f"  attention {label:>20}: {t}", flush=True)  # the best, and P as launched
+            print(f"  attention {label:>20}: {t}", flush=True)  # the best, and as launched
         return {"best": timings[:5], "all": timings}
 
     results: dict = {}
@@ -1233,16 +1235,7 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
             return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths,
                                             rope=(m.cos, m.sin), **config)
 
-        if tiles:
-            grid = [dict(split_len=sl, block_n=bn, warps=w, stages=st) for sl, bn, w, st in
-                    itertools.product((64, 128, 256), (32, 64, 128), (2, 4), (1, 2, 3)) if bn <= sl]
-            results[f"{rows} rows"] = timed(f"{rows} rows", grid, kv_bytes, call)
-        # P programs a row (0: as launched) with the current tile, splits of one or two
-        # tiles, one to three stages (a program then has several tiles to pipeline)
-        programs = [dict(split_len=sl, block_n=current[1], warps=current[2], stages=st, programs=p)
-                    for sl, st, p in itertools.product((current[0], 2 * current[0]), (1, 2, 3),
-                                                       (0, 1, 2, 4, 8, 16))]
-        results[f"{rows} rows, programs"] = timed(f"{rows} rows, P", programs, kv_bytes, call)
+        results[f"{rows} rows"] = timed(f"{rows} rows", [{}, *sweep], kv_bytes, call)
     chunk = 256
     if cache_k.shape[0] <= 64 or cache_k.shape[2] < 768:
         return results  # no room for the mixed step's 64 rows of up to 768 positions and a chunk
@@ -1257,11 +1250,11 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
     configs = []
     for tokens in sorted({2, m.chunk_tokens}):
         groups = torch.from_numpy(attention.chunk_groups(64, [chunk], tokens, n)).to(dev)
-        configs += [{"tokens": tokens, "groups": groups, "programs": p, "stages": st}
-                    for p, st in itertools.product((0, 1, 2, 4), (1, 2, 3))]
+        configs += [{"tokens": tokens, "groups": groups},
+                    *({"tokens": tokens, "groups": groups, **c} for c in sweep)]
 
     def mixed(tokens: int, **config):
-        return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths, m.split_len,
+        return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths,
                                         rope=(m.cos, m.sin), shared=True, tokens=tokens, **config)
 
     results["mixed"] = timed("64 rows + 256 chunk", configs, kv_bytes, mixed)

@@ -8,21 +8,21 @@ Decode takes the step's new keys and values with the queries, like flash-attn's
 `flash_attn_with_kvcache(k=, v=)`: it writes them at position `length - 1` of each row's
 slot and attends over the first `length` positions.
 
-Decode, on CUDA: a Triton flash-decoding kernel. Each row's positions are cut into splits
-of a fixed `split_len` (fixed per cache, never per batch). Each (row, kv head) runs in P
-programs, program j taking the row's splits j, j + P, ... (P falls as rows grow: enough
-programs to fill the device, each pipelining several splits); a program computes a partial
-softmax of each of its splits for the whole group of query heads sharing that kv head, and
-a second kernel merges the splits. In a mixed step a program takes two tokens of a prefill
-chunk (`chunk_groups`), which share their keys. The program whose split holds the new
-position stores the new key and value there and uses them from registers, so the cache
-write costs no kernel of its own (two index kernels per layer did before: 4% of a batch-1
-step), except in a mixed step, where rows share a slot and a small kernel stores them all
-first. The work of a row depends only on its own length, so a row's result never depends
-on the rest of the batch, and the grid is static, so the kernels are captured in the decode
-step's CUDA graph. flash-attn's `flash_attn_with_kvcache` would do the same job; it is not
-used because it is not installable on every target (no wheel for this torch), and this
-kernel reads the same bytes.
+Decode, on CUDA: a Triton flash-decoding kernel. Each (row, kv head) runs in P programs,
+program j taking a contiguous span of the row's positions in one pipelined loop over its
+key tiles, for the whole group of query heads sharing that kv head, and writing one partial
+softmax; a second kernel merges a row's P partials. P is picked per launch from the rows
+(enough programs to fill the device: many at a few rows, one or two a row at 64 and more),
+so a row's result depends on the launch's row count in its last bits, as cuBLAS's matmuls
+do (the CPU path is the batch-invariant one). In a mixed step a program takes two tokens
+of a prefill chunk (`chunk_groups`), which share their keys. The program whose span holds
+the new position stores the new key and value there first and then reads them with the
+rest, so the cache write costs no kernel of its own (two index kernels per layer did
+before: 4% of a batch-1 step), except in a mixed step, where rows share a slot and a small
+kernel stores them all first. The grid is static for a given row count, so the kernels
+are captured in the decode step's CUDA graph. flash-attn's `flash_attn_with_kvcache` would
+do the same job; it is not used because it is not installable on every target (no wheel
+for this torch), and this kernel reads the same bytes.
 
 Decode, on the CPU: one SDPA per row over exactly its own length, in the order the
 batch-invariant path has always used.
@@ -58,17 +58,15 @@ try:
 except ImportError:  # no Triton, or one before 3.3: kernels launched one after the other
     gdc_launch_dependents = gdc_wait = None
 
-# The split kernel's tile: positions per iteration, warps, pipeline stages; and a mixed
-# step's stages (`bench_gpu.py --phases profile` times the alternatives on the device).
-# On an H200 (Qwen2-7B shape, 1024 positions a slot) the fastest over 1, 64 and 128 rows:
-# one stage, a decode row's program having a split or two to load; two in a mixed step,
-# whose chunk rows' programs have many (64 decode rows and a 256-token chunk: 67 against
-# 80 us a layer).
-BLOCK_N, WARPS, STAGES, SHARED_STAGES = 64, 4, 1, 2
-# The programs a launch aims at (programs_per_row). On an H200, against a program per
-# split: 64 rows 32.6 against 34.5 us a layer, 128 rows 59.6 against 65.4, a mixed step of
-# 64 rows and a 256-token chunk 67 against 93 (bench_gpu.py --phases profile).
-PROGRAMS = 2048
+# The split kernel's launch by the launch's rows: positions a loop iteration, pipeline
+# stages, and the programs it aims at (programs_per_row). H200, Qwen2-7B shape, one layer's
+# rows of 128-768 positions (bench/bench_attention.py), against the kernel before this one
+# (spans of 64 positions, a partial each), microseconds: 1 row 4.3 / 5.1, 4 rows 5.4 / 6.1,
+# 16 rows ~9.0 / 10.5, 64 rows 21.5 / 28.8, 128 rows 39.2 / 51.3, 64 rows and a fresh
+# 256-token chunk (a mixed step) 41.6 / 52.3.
+FEW_ROWS = 16
+FEW_ROWS_LAUNCH, MANY_ROWS_LAUNCH = (32, 2, 528), (64, 3, 264)
+WARPS = 4
 # Warps of a merge program (one per row and head: a few kilobytes of partials to read).
 # One: more programs in flight. H200, per layer of the whole attention, 4 / 2 / 1 warps:
 # 1 row 4.9 / 5.6 / 5.1 us, 64 rows 32.1 / 31.1 / 28.5, 128 rows 58.2 / 53.3 / 51.2, 64 rows
@@ -99,20 +97,19 @@ def _hopper_or_later(index: int | None) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def split_len_for(max_len: int) -> int:
-    """Positions per split: at most 32 splits per row, at least 64 positions per split.
-    (On an H200, 1 row of 500 positions: 7.8 us per layer with 128, 5.9 with 64; 64 rows:
-    33 us with 64, 35 with 128. It must not depend on the batch, or a row's result would.)"""
-    return max(64, triton.next_power_of_2(-(-max_len // 32))) if triton else max_len
+def attention_kernel_available() -> bool:
+    """Whether the Triton decode kernel can be launched here (a CUDA device is the caller's
+    to check)."""
+    return triton is not None
 
 
-def programs_per_row(row_heads: int, n_splits: int) -> int:
-    """P, the programs per (row, kv head): program j computes the row's splits j, j + P,
-    j + 2P... At a few rows one program per split, to fill the device; at many, fewer,
-    each pipelining several splits (a program per split left most of them idle, past their
-    row's length, or with one tile to load and nothing to overlap it with). A split is
-    computed alike whatever P is, so a row's result does not depend on the batch."""
-    return max(1, min(n_splits, -(-PROGRAMS // row_heads)))
+def programs_per_row(row_heads: int, tiles: int, aim: int) -> int:
+    """P, the programs per (row, kv head), each taking a contiguous span of the row's
+    positions: at a few rows one program per tile, to fill the device; at 64 rows and more
+    two, each pipelining its span's tiles (short spans cost a partial each, and their
+    programs' start-up latency was most of the kernel's time; one a row left the device
+    waiting on the longest rows)."""
+    return min(tiles, max(2, -(-aim // row_heads)))
 
 
 def chunk_tokens(group: int) -> int:
@@ -143,14 +140,14 @@ def chunk_groups(n_decode: int, chunk_sizes: Sequence[int], tokens: int, size: i
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     slots: Tensor, lengths: Tensor, split_len: int,
+                     slots: Tensor, lengths: Tensor, kernel: bool,
                      rope: tuple[Tensor, Tensor] | None = None, shared: bool = False,
                      groups: Tensor | None = None) -> Tensor:
     """q (rows, heads, head_dim), k and v (rows, kv_heads, head_dim): the new token's, written
     at position lengths - 1 of each row's slot; lengths: positions each row attends, its new
     token included. rope: the (positions, head_dim) cos and sin tables when q and k come
     unrotated (the Triton kernel rotates them as it loads them: at 64 rows the two RoPE
-    kernels per layer it replaces were 4% of a step). split_len 0: the per-row SDPA path
+    kernels per layer it replaces were 4% of a step). kernel False: the per-row SDPA path
     (the CPU's, and CUDA's fallback if Triton fails).
 
     shared: rows may share a slot (a prefill chunk fed as rows, one token each, beside the
@@ -158,8 +155,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     key and value is then stored first, by a kernel of its own, and the attention reads
     them all from the cache. groups (chunk_groups, CUDA): the rows that attend together, at
     most chunk_tokens a group (not checked on the device: the host lays them out)."""
-    if q.is_cuda and split_len:
-        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, split_len, rope=rope,
+    if q.is_cuda and kernel:
+        return _triton_decode(q, k, v, k_cache, v_cache, slots, lengths, rope=rope,
                               shared=shared, groups=groups)
     positions = lengths - 1
     if rope is not None:
@@ -252,21 +249,22 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   slots: Tensor, lengths: Tensor, split_len: int, block_n: int = BLOCK_N,
-                   warps: int = WARPS, stages: int = 0,
+                   slots: Tensor, lengths: Tensor, block_n: int = 0, stages: int = 0,
                    rope: tuple[Tensor, Tensor] | None = None, shared: bool = False,
                    programs: int = 0, groups: Tensor | None = None, tokens: int = 0) -> Tensor:
+    """decode_attention's CUDA path; block_n, stages and programs (P a row) 0: as tuned."""
     rows, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, max_len = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    n_splits = -(-k_cache.shape[2] // split_len)
     assert groups is None or (shared and groups.shape[1] == rows), \
         "groups: a mixed step's (chunk_groups), as wide as its rows"
-    assert split_len % block_n == 0, "a split is whole tiles"
     tokens = (tokens or chunk_tokens(group)) if groups is not None else 1
     n_groups = groups.shape[1] if groups is not None else rows
-    programs = programs or programs_per_row(n_groups * kv_heads, n_splits)
-    stages = stages or (SHARED_STAGES if shared else STAGES)
+    tuned_n, tuned_stages, aim = FEW_ROWS_LAUNCH if rows < FEW_ROWS else MANY_ROWS_LAUNCH
+    block_n, stages = block_n or tuned_n, stages or tuned_stages
+    tiles = -(-max_len // block_n)
+    span = block_n * -(-tiles // (programs or programs_per_row(n_groups * kv_heads, tiles, aim)))
+    programs = -(-max_len // span)  # no program left without positions
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     overlap = overlapped(q)
     cos, sin = rope if rope is not None else (q, q)  # unread without ROPE
@@ -280,28 +278,28 @@ def _triton_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             DIM=dim, ROPE=rope is not None, **overlap,
         )
-    partial = torch.empty(rows, heads, n_splits, dim, device=q.device, dtype=torch.float32)
-    lse = torch.empty(rows, heads, n_splits, device=q.device, dtype=torch.float32)
+    partial = torch.empty(rows, heads, programs, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(rows, heads, programs, device=q.device, dtype=torch.float32)
     groups = groups if groups is not None else lengths.view(1, -1)  # unread: a row a group
-    _split_kernel[(n_groups, kv_heads, min(programs, n_splits))](
+    _split_kernel[(n_groups, kv_heads, programs)](
         q, k, v, k_cache, v_cache, slots, lengths, groups, partial, lse, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), groups.stride(0),
-        dim ** -0.5,
+        dim ** -0.5, span,
         GROUP=group, TOKENS=tokens, BLOCK_M=max(16, triton.next_power_of_2(tokens * group)),
-        DIM=dim, BLOCK_N=block_n, SPLIT_LEN=split_len, ROPE=rope is not None, STORED=shared,
+        DIM=dim, BLOCK_N=block_n, ROPE=rope is not None, STORED=shared,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32
-        STAGES=stages, num_warps=warps, num_stages=stages, **overlap,
+        STAGES=stages, num_warps=WARPS, num_stages=stages, **overlap,
     )
     out = torch.empty_like(q)
     _merge_kernel[(rows, heads)](
         partial, lse, out, lengths,
         partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        SPLIT_LEN=split_len, SPLITS_PAD=triton.next_power_of_2(n_splits), DIM=dim,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), span,
+        SPLITS_PAD=triton.next_power_of_2(programs), DIM=dim,
         num_warps=MERGE_WARPS, **overlap,
     )
     return out
@@ -316,22 +314,22 @@ if triton is not None:
                       sv_slot, sv_head, sv_pos,
                       sp_row, sp_head, sp_split,
                       sl_row, sl_head, sg,
-                      scale,
+                      scale, span,
                       GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
+                      DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                       ROPE: tl.constexpr, STORED: tl.constexpr, PRECISION: tl.constexpr,
                       STAGES: tl.constexpr, PDL: tl.constexpr):
-        """Program (g, kv head, j) of P per group: the splits j, j + P, j + 2P... of group g's
-        rows, for the query heads sharing the kv head. A group is one row, or (TOKENS > 1,
-        Groups: each group's first row and row count) up to TOKENS consecutive rows of one
-        prefill chunk: their queries are the tile's rows (token-major), so a key tile
-        loaded once serves them all, each row masked to its own length."""
+        """Program (g, kv head, j): positions [j * span, (j + 1) * span) of group g's rows,
+        for the query heads sharing the kv head, and their partial softmax. A group is one
+        row, or (TOKENS > 1, Groups: each group's first row and row count) up to TOKENS
+        consecutive rows of one prefill chunk: their queries are the tile's rows
+        (token-major), so a key tile loaded once serves them all, each row masked to its
+        own length."""
         if PDL:  # every input may come from the kernel before
             gdc_wait()
             gdc_launch_dependents()
         kv_head = tl.program_id(1)
-        first = tl.program_id(2)
-        step = tl.num_programs(2)
+        split = tl.program_id(2)
         if TOKENS == 1:
             row0 = tl.program_id(0)
             count = 1
@@ -344,8 +342,8 @@ if triton is not None:
         heads = kv_head * GROUP + r % GROUP
         lengths = tl.load(Lengths + rows, mask=in_use, other=0)
         end = tl.max(lengths, 0)  # the group's keys: its longest row's
-        splits = tl.cdiv(end, SPLIT_LEN)
-        if first < splits:  # else the group has no split for this program
+        start = split * span
+        if start < end:  # else the group has no position for this program
             slot = tl.load(Slots + row0)  # a group's rows share their slot
             d = tl.arange(0, DIM)
             q_at = Q + rows[:, None] * sq_row + heads[:, None] * sq_head
@@ -355,53 +353,45 @@ if triton is not None:
                 q = tl.load(q_at + d[None, :], mask=in_use[:, None], other=0.0)
             k_base = K + slot.to(tl.int64) * sk_slot + kv_head * sk_head
             v_base = V + slot.to(tl.int64) * sv_slot + kv_head * sv_head
-            # A decode step's row (TOKENS 1): its new token, at position last, from the inputs,
-            # stored by the one program that holds its split; STORED: in the cache already.
-            last = end - 1
             if not STORED:
-                k_at = Knew + row0 * skn_row + kv_head * skn_head
-                k_new = _load_rotated(k_at, last, last >= 0, Cos, Sin, DIM) if ROPE else tl.load(k_at + d)
-                v_new = tl.load(Vnew + row0 * svn_row + kv_head * svn_head + d)
-                if (last // SPLIT_LEN) % step == first:  # no program reads it from the cache
+                # A decode row's new token, at position last: stored by the program whose
+                # span holds it, which then loads it with the others (its loads follow the
+                # barrier). STORED: in the cache already.
+                last = end - 1
+                if last // span == split:
+                    k_at = Knew + row0 * skn_row + kv_head * skn_head
+                    k_new = _load_rotated(k_at, last, last >= 0, Cos, Sin, DIM) if ROPE else tl.load(k_at + d)
                     tl.store(k_base + last * sk_pos + d, k_new)
-                    tl.store(v_base + last * sv_pos + d, v_new)
-            # A split's tiles are unrolled, so this is the innermost loop and the pipeliner
-            # loads a split's keys while the one before it computes.
-            for split in tl.range(first, splits, step, num_stages=STAGES):
-                start = split * SPLIT_LEN
-                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                total = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-                for n0 in tl.static_range(0, SPLIT_LEN, BLOCK_N):
-                    n = start + n0 + tl.arange(0, BLOCK_N)
-                    cached = n < end if STORED else (n < end) & (n != last)
-                    # Both tiles' loads in flight before the first dot (loading V after the
-                    # QK dot cost 4-5% at 64 and 128 rows on an H200)
-                    k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None],
-                                other=0.0)
-                    v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=cached[:, None],
-                                other=0.0)
-                    if not STORED:
-                        k = tl.where((n == last)[:, None], k_new[None, :], k)
-                        v = tl.where((n == last)[:, None], v_new[None, :], v)
-                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-                    s = tl.where(n[None, :] < lengths[:, None], s * scale, float("-inf"))
-                    # A tile past a row's end leaves its m, total and acc as they were
-                    # (exp(-inf) = 0, alpha = 1); a row with no key yet (a chunk's row
-                    # before the group's last split) keeps zeros: m_safe avoids inf - inf.
-                    m_new = tl.maximum(m, tl.max(s, 1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(s - m_safe[:, None])
-                    alpha = tl.exp(m - m_safe)
-                    total = total * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                    m = m_new
-                # Only the rows' own splits are stored: the merge reads no others.
-                keep = in_use & (start < lengths)
-                tl.store(Partial + rows[:, None] * sp_row + heads[:, None] * sp_head
-                         + split * sp_split + d[None, :], acc / total[:, None], mask=keep[:, None])
-                tl.store(Lse + rows * sl_row + heads * sl_head + split, m + tl.log(total),
-                         mask=keep)
+                    tl.store(v_base + last * sv_pos + d,
+                             tl.load(Vnew + row0 * svn_row + kv_head * svn_head + d))
+                tl.debug_barrier()
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, DIM], tl.float32)
+            # One loop over the span's tiles: the pipeliner loads the next tiles while
+            # this one computes.
+            for t in tl.range(0, tl.cdiv(tl.minimum(end - start, span), BLOCK_N), num_stages=STAGES):
+                n = start + t * BLOCK_N + tl.arange(0, BLOCK_N)
+                cached = n < end
+                k = tl.load(k_base + n[:, None] * sk_pos + d[None, :], mask=cached[:, None], other=0.0)
+                v = tl.load(v_base + n[:, None] * sv_pos + d[None, :], mask=cached[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                s = tl.where(n[None, :] < lengths[:, None], s * scale, float("-inf"))
+                # A tile past a row's end leaves its m, total and acc as they were
+                # (exp(-inf) = 0, alpha = 1); a row with no key yet (a chunk's row
+                # before the group's last span) keeps zeros: m_safe avoids inf - inf.
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                total = total * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m = m_new
+            # Only the rows' own spans are stored: the merge reads no others.
+            keep = in_use & (start < lengths)
+            tl.store(Partial + rows[:, None] * sp_row + heads[:, None] * sp_head
+                     + split * sp_split + d[None, :], acc / total[:, None], mask=keep[:, None])
+            tl.store(Lse + rows * sl_row + heads * sl_head + split, m + tl.log(total), mask=keep)
 
     @triton.jit
     def _store_kernel(Knew, Vnew, K, V, Slots, Lengths, Cos, Sin,
@@ -437,8 +427,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(Partial, Lse, Out, Lengths,
-                      sp_row, sp_head, sp_split, sl_row, sl_head, so_row, so_head,
-                      SPLIT_LEN: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
+                      sp_row, sp_head, sp_split, sl_row, sl_head, so_row, so_head, span,
+                      SPLITS_PAD: tl.constexpr, DIM: tl.constexpr,
                       PDL: tl.constexpr):
         if PDL:
             gdc_wait()
@@ -447,7 +437,7 @@ if triton is not None:
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS_PAD)
         d = tl.arange(0, DIM)
-        used = s * SPLIT_LEN < tl.load(Lengths + row)  # every used split saw a position
+        used = s * span < tl.load(Lengths + row)  # every used span saw a position
         lse = tl.load(Lse + row * sl_row + head * sl_head + s, mask=used, other=float("-inf"))
         weight = tl.exp(lse - tl.max(lse, 0))
         parts = tl.load(Partial + row * sp_row + head * sp_head + s[:, None] * sp_split + d[None, :],

@@ -470,7 +470,7 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
         log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
                  gib=round(compact.cache.nbytes / 2**30, 2),
                  free_gib=round(torch.cuda.mem_get_info(device)[0] / 2**30, 1))
-    split_len, varlen, gemv = compact.split_len, compact.varlen_prefill, compact.gemv
+    attention_kernel, varlen, gemv = compact.attention_kernel, compact.varlen_prefill, compact.gemv
     # kernels: the Triton decode attention and the varlen flash prefill; one_row: the GEMVs
     compile_, graphs_ = limits.compile, limits.cuda_graphs
     tries = [(compile_, graphs_, True, gemv), (compile_, graphs_, True, False),
@@ -479,7 +479,7 @@ def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
     for compiled, graphs, kernels, one_row in dict.fromkeys(tries):
         try:
             compact.set_compiled(compiled)
-            compact.split_len = split_len if kernels else 0
+            compact.attention_kernel = attention_kernel and kernels
             compact.varlen_prefill = varlen and kernels
             compact.gemv = one_row
             # Mixed steps need the attention kernel: the per-row SDPA path would run one

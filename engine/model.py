@@ -33,10 +33,10 @@ from . import gemv
 from .attention import (
     VarlenKeys,
     apply_rope,
+    attention_kernel_available,
     chunk_tokens,
     decode_attention,
     prefill_attention,
-    split_len_for,
     varlen_prefill,
 )
 from .kv_cache import SlotKVCache
@@ -98,7 +98,7 @@ class CompactLM:
             self.dtype, self.device,
         )
         self.n_slots = n_slots
-        self.split_len = split_len_for(max_len)
+        self.attention_kernel = attention_kernel_available()  # decode_attention's Triton path
         self.chunk_tokens = chunk_tokens(self.n_heads // self.n_kv_heads)  # see chunk_groups
         # One row decodes through the GEMV kernels (gemv.py) where they take the shapes.
         self.gemv = (self.device.type == "cuda" and self.cos.shape[-1] == self.head_dim
@@ -179,7 +179,7 @@ class CompactLM:
             x, q, k, v = self._decode_in(x, delta, layer.attn_norm, layer.wqkv, layer.bqkv,
                                          positions, False)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
-                                    self.split_len, rope, shared=heads is not None,
+                                    self.attention_kernel, rope, shared=heads is not None,
                                     groups=groups)
             x, delta = self._decode_out(x, attn.flatten(1), layer.wo, layer.mlp_norm,
                                         layer.w_gate_up, layer.w_down)
@@ -196,7 +196,7 @@ class CompactLM:
                                      self.cos, self.sin, positions, (nh + nkv) * hd)
             q, k, v = qkv.view(1, -1, hd).split([nh, nkv, nkv], 1)
             attn = decode_attention(q, k, v, self.cache.k[i], self.cache.v[i], slots, lengths,
-                                    self.split_len)
+                                    self.attention_kernel)
             gemv.add_matmul(attn.view(-1), layer.wo, x, gemv.TILES["o"], self._o_counters)
             h = gemv.norm_gate_up_silu(x, layer.mlp_norm, eps, layer.w_gate_up)
             gemv.add_matmul(h, layer.w_down, x, gemv.TILES["down"], self._down_counters)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -82,7 +83,7 @@ def _attention_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, slo
     q, k, v = qkv.view(len(slots), -1, dim).split([heads, kv_heads, kv_heads], 1)
     ref_cache = [c.float().cpu() for c in cache]
     ref = decode_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), *ref_cache,
-                           slots_t.cpu(), lengths_t.cpu(), 0, rope and [t.float().cpu() for t in rope])
+                           slots_t.cpu(), lengths_t.cpu(), False, rope and [t.float().cpu() for t in rope])
     return (q, k, v, slots_t, lengths_t), cache, ref, ref_cache
 
 
@@ -110,8 +111,10 @@ def _rope_tables(dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
 def test_triton_decode_attention_matches_sdpa():
     """The kernel writes each row's new key and value at its last position, and nowhere else,
     and attends like SDPA over exactly the row's length; with RoPE tables, it rotates q and
-    the new key as the per-row path does."""
-    from finsieve.engine.attention import _triton_decode, split_len_for
+    the new key as the per-row path does. As tuned, and with the rows' positions in one
+    span a program, in three and in a span a tile (the new key's program then stores it
+    and reads it back), each tile size."""
+    from finsieve.engine.attention import _triton_decode
 
     torch.manual_seed(0)
     slots, lengths = [3, 0, 5, 1, 2], [1, 255, 1024, 257, 700]
@@ -121,9 +124,11 @@ def test_triton_decode_attention_matches_sdpa():
                 inputs, cache, ref, ref_cache = _attention_case(heads, kv_heads, dim, dtype, slots,
                                                                 lengths, rope)
                 q, k, v, slots_t, lengths_t = inputs
-                out = _triton_decode(q, k, v, *cache, slots_t, lengths_t, split_len_for(1024),
-                                     rope=rope)
-                _assert_attends(out, cache, ref, ref_cache, slots, lengths, tolerance)
+                for launch in ({}, {"programs": 1, "block_n": 32}, {"programs": 3, "block_n": 64},
+                               {"programs": 32, "block_n": 32}, {"programs": 16, "block_n": 64}):
+                    written = [c.clone() for c in cache]
+                    out = _triton_decode(q, k, v, *written, slots_t, lengths_t, rope=rope, **launch)
+                    _assert_attends(out, written, ref, ref_cache, slots, lengths, tolerance)
 
 
 def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
@@ -131,7 +136,7 @@ def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
     it in its slot, beside decode rows. Every new key (rotated) and value is stored first,
     at its row's position and nowhere else; the attention is the per-row path's, whether a
     chunk's rows attend alone or in groups (each reading a key tile once for all)."""
-    from finsieve.engine.attention import _triton_decode, chunk_groups, split_len_for
+    from finsieve.engine.attention import _triton_decode, chunk_groups
 
     torch.manual_seed(0)
     # decode rows in slots 3 and 5; a fresh chunk of 10 in slot 0, one continuing at 200 in slot 1
@@ -142,12 +147,12 @@ def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
         inputs, cache, ref, ref_cache = _attention_case(28, 4, 128, dtype, slots, lengths, rope)
         q, k, v, slots_t, lengths_t = inputs
         # the rows alone, and each chunk's in groups of 2 and of 9 (the chunk's last shorter)
-        for tokens in (0, 2, 9):
+        for tokens, launch in itertools.product((0, 2, 9), ({}, {"programs": 1}, {"programs": 32})):
             groups = None if not tokens else \
                 torch.from_numpy(chunk_groups(2, [10, 40], tokens, len(slots))).cuda()
             written = [c.clone() for c in cache]
-            out = _triton_decode(q, k, v, *written, slots_t, lengths_t, split_len_for(1024),
-                                 rope=rope, shared=True, groups=groups, tokens=tokens)
+            out = _triton_decode(q, k, v, *written, slots_t, lengths_t, rope=rope, shared=True,
+                                 groups=groups, tokens=tokens, **launch)
             _assert_attends(out, written, ref, ref_cache, slots, lengths, tolerance)
 
 
@@ -444,7 +449,8 @@ def test_rollback_by_truncation_reproduces_logits_on_cuda(graphed):
 
 def test_seeded_request_samples_the_same_tokens_alone_and_in_a_batch_of_64(random_llama):
     """float32 weights: cuBLAS picks other kernels for other batch sizes, and bf16 rounding
-    would then flip near-ties; the attention and the sampler are batch-invariant by design."""
+    would then flip near-ties (so would the attention's programs, which the batch's rows
+    choose); the sampler is batch-invariant by design."""
     engine = _engine(random_llama, torch.float32, compile=False)
     probe = chat_request("probe", "What is a bond ladder?", max_tokens=24, temperature=0.8,
                          seed=1234)
