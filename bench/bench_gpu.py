@@ -498,10 +498,17 @@ def _req(text: str):
 def _prefill_flops(args, tokens: int, engine) -> float:
     """2 x matmul parameters per token, plus causal attention (QK and PV)."""
     m = engine.model
-    params = json.loads(Path(args.out).read_text())["model"]["matmul_params"]
+    params = _matmul_params(m)
     per_seq = tokens / min(64, max(args.levels))
     attn = 2 * 2 * len(m.layers) * m.n_heads * m.head_dim * per_seq * per_seq / 2
     return 2 * params * tokens + attn * min(64, max(args.levels))
+
+
+def _matmul_params(m) -> int:
+    """The weights a token is multiplied by (the layers' and the head's): read from the
+    engine's model, so that a run without the model phase (a baseline tree's) has them."""
+    return sum(w.numel() for layer in m.layers
+               for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)) + m.lm_head.numel()
 
 
 def _bare_prefill(engine, args) -> dict:
@@ -513,7 +520,7 @@ def _bare_prefill(engine, args) -> dict:
     m, graphs = engine.model, engine.runner.prefill_graphs
     if m.device.type != "cuda":
         return {}
-    params = json.loads(Path(args.out).read_text())["model"]["matmul_params"]
+    params = _matmul_params(m)
     out = {}
     for n, count in ((512, 4), (320, 1)):
         if count > m.n_slots:  # (--levels below 4: fewer KV slots)
@@ -1407,8 +1414,9 @@ def main() -> None:
         result: dict = {}
         try:
             result = PHASES[args.phase](args)
-        except Exception:
-            result = {"error": traceback.format_exc()[-3000:]}
+        except Exception:  # what the phase measured and saved before it failed is kept
+            saved = Path(args.result).read_text() if Path(args.result).exists() else ""
+            result = {**json.loads(saved or "{}"), "error": traceback.format_exc()[-3000:]}
             print(result["error"], flush=True)
         Path(args.result).write_text(json.dumps(result))
         return
