@@ -7,7 +7,7 @@ OLD_attention.py is engine/attention.py of the baseline revision, e.g.
 `git show REV:engine/attention.py > .base/attention.py`. Qwen2-7B's attention shape (28
 query heads, 4 kv heads, head_dim 128, bf16), a cache of 129 slots of 1,024 positions, rows
 of 128-768 positions (one row: 500); each kernel timed from a CUDA graph of 28 launches
-(one per layer), best of three replays of ten. Also a mixed step (64 decode rows and a
+(one per layer), the mean of ten replays. Also a mixed step (64 decode rows and a
 fresh 256-token chunk) and the new kernel's tiles and programs a row. Prints a table and
 writes JSON (default bench/results/attention.json).
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_gpu import _graph_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS, KV_HEADS, DIM, MAX_LEN = 28, 4, 128, 1024
@@ -73,29 +74,6 @@ def reference(module, q, k, v, k_cache, v_cache, slots, lengths, rope):
         F.scaled_dot_product_attention(qr[i, :, None], kc[slots[i], :, :n], vc[slots[i], :, :n],
                                        enable_gqa=True)[:, 0]
         for i, n in enumerate(lengths.tolist())])
-
-
-def graph_us(fn, reps: int = 28) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / 10 / reps)
-    return best
 
 
 def check(new) -> None:
@@ -149,7 +127,7 @@ def run(new, old, out: Path, tiles: bool) -> None:
             call = functools.partial(launch, module, q, k, v, kc, vc, slots, lengths, rope, **kw, **extra)
             try:
                 err = float((call().float() - ref).norm() / ref.norm())
-                us = graph_us(call)
+                us = 1000 * _graph_ms(call)
             except Exception as e:  # a tile the compiler refuses
                 print(f"  {label} {name}: {e!r:.160}", flush=True)
                 continue

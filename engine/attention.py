@@ -12,8 +12,8 @@ Decode, on CUDA: a Triton flash-decoding kernel. Each (row, kv head) runs in P p
 program j taking a contiguous span of the row's positions in one pipelined loop over its
 key tiles, for the whole group of query heads sharing that kv head, and writing one partial
 softmax; a second kernel merges a row's P partials. P is picked per launch from the rows
-(enough programs to fill the device: many at a few rows, one or two a row at 64 and more),
-so a row's result depends on the launch's row count in its last bits, as cuBLAS's matmuls
+(a tile a program at a few rows, to fill the device; two a row at 64 and more), so a row's
+result depends on the launch's row count in its last bits, as cuBLAS's matmuls
 do (the CPU path is the batch-invariant one). In a mixed step a program takes two tokens
 of a prefill chunk (`chunk_groups`), which share their keys. The program whose span holds
 the new position stores the new key and value there first and then reads them with the
@@ -61,9 +61,9 @@ except ImportError:  # no Triton, or one before 3.3: kernels launched one after 
 # The split kernel's launch by the launch's rows: positions a loop iteration, pipeline
 # stages, and the programs it aims at (programs_per_row). H200, Qwen2-7B shape, one layer's
 # rows of 128-768 positions (bench/bench_attention.py), against the kernel before this one
-# (spans of 64 positions, a partial each), microseconds: 1 row 4.3 / 5.1, 4 rows 5.4 / 6.1,
-# 16 rows ~9.0 / 10.5, 64 rows 21.5 / 28.8, 128 rows 39.2 / 51.3, 64 rows and a fresh
-# 256-token chunk (a mixed step) 41.6 / 52.3.
+# (splits of 64 positions, a partial each), in one run, microseconds: 1 row 4.4 / 5.1,
+# 4 rows 5.2 / 5.9, 16 rows 8.6 / 10.5, 64 rows 21.5 / 28.8, 128 rows 39.5 / 51.0, 64 rows
+# and a fresh 256-token chunk (a mixed step) 41.7 / 51.8.
 FEW_ROWS = 16
 FEW_ROWS_LAUNCH, MANY_ROWS_LAUNCH = (32, 2, 528), (64, 3, 264)
 WARPS = 4
@@ -105,7 +105,7 @@ def attention_kernel_available() -> bool:
 
 def programs_per_row(row_heads: int, tiles: int, aim: int) -> int:
     """P, the programs per (row, kv head), each taking a contiguous span of the row's
-    positions: at a few rows one program per tile, to fill the device; at 64 rows and more
+    positions: at a few rows one program per tile, to fill the device; from 64 rows on
     two, each pipelining its span's tiles (short spans cost a partial each, and their
     programs' start-up latency was most of the kernel's time; one a row left the device
     waiting on the longest rows)."""
