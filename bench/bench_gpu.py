@@ -18,7 +18,9 @@ written to the JSON after every phase, a table printed at the end:
               streams out of phase, see run_engine_level); at 64+ streams, rules on, the
               baselines: mixed steps off (`unmixed` and `steady-um`: FINSIEVE_MIXED_TOKENS=0,
               prefill in forwards of its own) and requests prepared on threads beside the
-              loop (`steady-th`, the baseline of FINSIEVE_PREPARE_WORKERS);
+              loop (`steady-th`, the baseline of FINSIEVE_PREPARE_WORKERS); mixed steps
+              whose prompt tokens are not cut to whole matmul tiles (`steady-ut`, the
+              baseline of the scheduler's MIXED_TILE);
               64 requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
@@ -392,6 +394,12 @@ def phase_inprocess(args) -> dict:
     with _mixed_steps_off(engine):
         result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
         result["steady_unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off")
+    # mixed steps whose prompt tokens fill the budget wherever it ends (no whole-tile cut)
+    tile, engine.scheduler.mixed_tile = engine.scheduler.mixed_tile, 2**62
+    try:
+        result["steady_untiled"] = _baseline_rows(engine, texts, args, "tile cut off")
+    finally:
+        engine.scheduler.mixed_tile = tile
     served_budget = engine.scheduler.mixed_tokens
     result["mixed_sweep"] = []
     for budget in [b for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens]:
@@ -1322,6 +1330,7 @@ def table(r: dict) -> str:
                              ("inprocess", "unmixed", "unmixed"),
                              ("inprocess", "steady_unmixed", "steady-um"),
                              ("inprocess", "steady_threads", "steady-th"),
+                             ("inprocess", "steady_untiled", "steady-ut"),
                              ("inprocess", "mixed_sweep", "steady-mix"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
             label = f"mix-{row['mixed_tokens']}" if "mixed_tokens" in row else \

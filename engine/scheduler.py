@@ -26,13 +26,14 @@ prompt tokens as rows of the decode forward (Sarathi-Serve's piggybacking, as vL
 SGLang batch chunked prefill with decodes): decoding reads every weight once a step for a
 few dozen rows, and a prefill forward of its own read them all again. Chunks then fill the
 step's budget wherever they end (on a GPU an answer depends on the batch's shapes anyway),
-and prompt batching is off. Two cases still get prefill steps of their own beside the
-decode rows: a burst of prompts (`prefill_chunk` tokens or more waiting), whose last prompt,
-and so the burst's answers, start sooner in big steps than in chunks that each cost a decode
-step; and a prompt longer than MIXED_MAX_POSITION, since a prompt token in a mixed step reads
-its slot's keys on its own (the decode kernel), where a prefill forward's attention reads
-them once per chunk. On the CPU mixed steps stay off: a prompt's chunks would then depend on
-what else runs, and the CPU promises batch invariance.
+the budget cut back to whole matmul tiles of rows (MIXED_TILE), and prompt batching is off.
+Two cases still get prefill steps of their own beside the decode rows: a burst of prompts
+(`prefill_chunk` tokens or more waiting), whose last prompt, and so the burst's answers,
+start sooner in big steps than in chunks that each cost a decode step; and a prompt longer
+than MIXED_MAX_POSITION, since a prompt token in a mixed step reads its slot's keys on its
+own (the decode kernel), where a prefill forward's attention reads them once per chunk. On
+the CPU mixed steps stay off: a prompt's chunks would then depend on what else runs, and
+the CPU promises batch invariance.
 
 A rollback (SAR), resample or rewrite is not special work: the sequence's tokens change and
 `Sequence.redo` sets its KV length back; the next `schedule` feeds what the cache lacks.
@@ -59,6 +60,14 @@ from .sequence import Sequence, Sink, Status
 # measured) the ~25 us a token of a whole 2,048-token prefill step.
 MIXED_MAX_POSITION = 1024
 
+# A mixed step's rows (decode rows + prompt tokens) are the M of every weight's matmul, and
+# cuBLAS computes M in tiles of 128 rows: one layer's matmuls on an H200 (Qwen2-7B shape,
+# bf16, CUDA graphs) take 131 us at 64 rows, 135 at 128, 189 at 256, then 215 at 272 and
+# 231 at 288 (a third tile started), 267 at 384. A prompt token costs ~0.4 us a layer in a
+# tile that is filled and up to ~1.6 in one just started: a mixed step's prompt tokens
+# stop at a tile's end when that drops only the part of a tile past it (see schedule).
+MIXED_TILE = 128
+
 
 class Row(NamedTuple):
     """One sequence's share of a step (a tuple: one is built per row and step)."""
@@ -75,11 +84,13 @@ class Row(NamedTuple):
 
 class Scheduler:
     def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_context: int,
-                 prompt_batch: int = 0, prompt_wait_steps: int = 0, mixed_tokens: int = 0) -> None:
+                 prompt_batch: int = 0, prompt_wait_steps: int = 0, mixed_tokens: int = 0,
+                 mixed_tile: int = MIXED_TILE) -> None:
         self.n_slots = n_slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.mixed_tokens = mixed_tokens  # 0: prefill beside decode rows in chunks of prefill_chunk
+        self.mixed_tile = mixed_tile
         self.max_context = max_context
         self.prompt_batch = prompt_batch  # 0: a prompt is prefilled in the step after it arrives
         self.prompt_wait_steps = prompt_wait_steps
@@ -181,7 +192,7 @@ class Scheduler:
                      and sum(seq.context_len - seq.kv_len for seq in fresh) < self.prefill_chunk
                      and all(seq.context_len <= MIXED_MAX_POSITION for seq in fresh))
         chunk = self.mixed_tokens if mixed else self.prefill_chunk
-        budget = chunk
+        budget = self._mixed_budget(len(rows), fresh) if mixed else chunk
         for seq in fresh:
             feed = seq.context_len - seq.kv_len
             if self.mixed_tokens:  # a chunk may end anywhere: the budget is filled
@@ -198,6 +209,16 @@ class Scheduler:
             seq.kv_len += n
             seq.ahead += last
         return rows
+
+    def _mixed_budget(self, decode_rows: int, fresh: list[Sequence]) -> int:
+        """A mixed step's prompt tokens: up to mixed_tokens, cut back to the last whole tile
+        of rows when the step would otherwise start a tile it cannot fill, unless that cut
+        leaves no prompt token (the few waiting tokens then ride in the decode rows' own
+        tile, or start one: nothing comes to fill it). What is cut rides in the next step."""
+        waiting = sum(seq.context_len - seq.kv_len for seq in fresh)
+        rows = decode_rows + min(waiting, self.mixed_tokens)
+        whole = rows // self.mixed_tile * self.mixed_tile
+        return (whole if whole > decode_rows else rows) - decode_rows
 
     def _hold_prompts(self) -> bool:
         """Do the fresh prompts wait this step? Only while other sequences decode, and until
