@@ -7,8 +7,9 @@ OLD_attention.py is engine/attention.py of the baseline revision, e.g.
 `git show REV:engine/attention.py > .base/attention.py`. Qwen2-7B's attention shape (28
 query heads, 4 kv heads, head_dim 128, bf16), a cache of 129 slots of 1,024 positions, rows
 of 128-768 positions (one row: 500); each kernel timed from a CUDA graph of 28 launches
-(one per layer), the mean of ten replays. Also a mixed step (64 decode rows and a
-fresh 256-token chunk) and the new kernel's tiles and programs a row. Prints a table and
+(one per layer), the mean of ten replays. Also mixed steps (64 decode rows and a fresh
+256-token chunk; 128 rows and 160 tokens at positions 160-319), and the new kernel's tiles,
+programs a row (`--tiles`) and a chunk's tokens a program (`--chunk-tokens`). Prints a table and
 writes JSON (default bench/results/attention.json).
 """
 
@@ -88,12 +89,13 @@ def check(new) -> None:
              torch.tensor([100, 256, *range(121, 131)], device=device))
     for (slots, lengths), kw in itertools.product((decode, mixed), (
             {}, {"programs": 1}, {"programs": 3, "block_n": 32}, {"programs": 8, "block_n": 64},
-            {"programs": 16, "block_n": 32, "stages": 3})):
+            {"programs": 16, "block_n": 32, "stages": 3}, {"tokens": 4}, {"tokens": 8, "programs": 3})):
         rows = slots.numel()
         shared = rows > 4
         if shared:
+            tokens = kw.get("tokens", 2)
             kw = {**kw, "shared": True,
-                  "groups": torch.from_numpy(new.chunk_groups(2, [10], 2, rows)).to(device)}
+                  "groups": torch.from_numpy(new.chunk_groups(2, [10], tokens, rows)).to(device)}
         args = (q[:rows], k[:rows], v[:rows])
         ref = reference(new, *args, kc, vc, slots, lengths, rope)
         out = launch(new, *args, kc.clone(), vc.clone(), slots, lengths, rope, **kw)
@@ -103,28 +105,38 @@ def check(new) -> None:
         assert err < tolerance, err
 
 
-def run(new, old, out: Path, tiles: bool) -> None:
+def _label(variant: dict) -> dict:
+    return {a: b for a, b in variant.items() if a != "groups"}
+
+
+def run(new, old, out: Path, tiles: bool, chunk_sweep: list[int]) -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
     sweep = [dict(block_n=bn, stages=st, programs=p)
              for bn, st, p in itertools.product((32, 64), (2, 3), (1, 2, 3, 8, 32))] if tiles else []
     rows_out = []
-    cases = [(f"{n} rows", n, None) for n in (1, 4, 16, 64, 128)] + [("64 rows + 256 chunk", 64, 256)]
-    for label, rows, chunk in cases:
+    cases = [(f"{n} rows", n, None, 0) for n in (1, 4, 16, 64, 128)] + [
+        ("64 rows + 256 chunk", 64, 256, 0), ("128 rows + 160 at 160", 128, 160, 160)]
+    for label, rows, chunk, at in cases:
         q, k, v, kc, vc, slots, lengths, rope = case(rows + (chunk or 0), device, dtype)
-        kw = {}
-        if chunk:  # the chunk's tokens in slot `rows`, at positions 0..chunk-1
+        kw, variants = {}, sweep
+        if chunk:  # the chunk's tokens in slot `rows`, at positions at..at + chunk - 1
             slots = torch.tensor([*range(rows), *[rows] * chunk], device=device)
-            lengths = torch.cat([lengths[:rows], torch.arange(1, chunk + 1, device=device)])
-            kw = {"shared": True,
-                  "groups": torch.from_numpy(new.chunk_groups(rows, [chunk], 2, rows + chunk)).to(device)}
-        kv_bytes = 2 * int(lengths[:rows].sum() + (chunk or 0)) * KV_HEADS * DIM * dtype.itemsize
+            lengths = torch.cat([lengths[:rows], torch.arange(at + 1, at + chunk + 1, device=device)])
+            def groups(tokens: int, rows=rows, chunk=chunk) -> torch.Tensor:
+                return torch.from_numpy(new.chunk_groups(rows, [chunk], tokens, rows + chunk)).to(device)
+
+            tokens = new.chunk_tokens(HEADS // KV_HEADS)
+            kw = {"shared": True, "groups": groups(tokens)}
+            variants = sweep + [{"tokens": t, "groups": groups(t)}  # a chunk's tokens a program
+                                for t in chunk_sweep if t != tokens]
+        kv_bytes = 2 * int(lengths[:rows].sum() + (chunk or 0) + at) * KV_HEADS * DIM * dtype.itemsize
         ref = reference(new, q, k, v, kc, vc, slots, lengths, rope)
         timed = {}
         for name, module, extra in [("baseline", old, {}), ("new", new, {}),
-                                    *((f"new {c}", new, c) for c in sweep)]:
+                                    *((f"new {_label(c)}", new, c) for c in variants)]:
             if module is None:
                 continue
-            call = functools.partial(launch, module, q, k, v, kc, vc, slots, lengths, rope, **kw, **extra)
+            call = functools.partial(launch, module, q, k, v, kc, vc, slots, lengths, rope, **{**kw, **extra})
             try:
                 err = float((call().float() - ref).norm() / ref.norm())
                 us = 1000 * _graph_ms(call)
@@ -149,6 +161,8 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="correctness only (CPU: TRITON_INTERPRET=1)")
     ap.add_argument("--tiles", action="store_true",
                     help="also the new kernel at each tile, stage count and programs a row")
+    ap.add_argument("--chunk-tokens", type=int, nargs="*", default=[],
+                    help="mixed steps: also these many tokens of a chunk a program")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention.json")
     args = ap.parse_args()
     new = load(ROOT / "engine" / "attention.py", "attention_new")
@@ -156,7 +170,7 @@ def main() -> None:
         check(new)
         return
     old = load(args.baseline_file, "attention_old") if args.baseline_file else None
-    run(new, old, args.out, args.tiles)
+    run(new, old, args.out, args.tiles, args.chunk_tokens)
 
 
 if __name__ == "__main__":
