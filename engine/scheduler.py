@@ -63,9 +63,9 @@ MIXED_MAX_POSITION = 1024
 # A mixed step's rows (decode rows + prompt tokens) are the M of every weight's matmul, and
 # cuBLAS computes M in tiles of 128 rows: one layer's matmuls on an H200 (Qwen2-7B shape,
 # bf16, CUDA graphs) take 131 us at 64 rows, 135 at 128, 189 at 256, then 215 at 272 and
-# 231 at 288 (a third tile started), 267 at 384. A prompt token costs ~0.4 us a layer in a
-# tile that is filled and up to ~1.6 in one just started: a mixed step's prompt tokens
-# stop at a tile's end when that drops only the part of a tile past it (see schedule).
+# 231 at 288 (a third tile started), 267 at 384. A prompt token costs ~0.4-0.6 us a layer
+# in a tile that is filled and up to ~1.6 in one just started: a mixed step's prompt tokens
+# stop at a tile's end when little of the next would be filled (Scheduler._mixed_budget).
 MIXED_TILE = 128
 
 
@@ -212,13 +212,19 @@ class Scheduler:
 
     def _mixed_budget(self, decode_rows: int, fresh: list[Sequence]) -> int:
         """A mixed step's prompt tokens: up to mixed_tokens, cut back to the last whole tile
-        of rows when the step would otherwise start a tile it cannot fill, unless that cut
-        leaves no prompt token (the few waiting tokens then ride in the decode rows' own
-        tile, or start one: nothing comes to fill it). What is cut rides in the next step."""
+        of rows when the rows past it would fill at most three quarters of a tile (a tile
+        just started costs a prompt token two or three times what a full one does). What is
+        cut rides in the next step. No cut when it keeps fewer tokens than it drops (at 127
+        decode rows a cut would take one token a step), nor when a whole budget would still
+        wait after it: prompts then arrive faster than cut steps take them, and the backlog
+        must not grow into a burst."""
         waiting = sum(seq.context_len - seq.kv_len for seq in fresh)
-        rows = decode_rows + min(waiting, self.mixed_tokens)
-        whole = rows // self.mixed_tile * self.mixed_tile
-        return (whole if whole > decode_rows else rows) - decode_rows
+        take = min(waiting, self.mixed_tokens)
+        part = (decode_rows + take) % self.mixed_tile  # rows past the last whole tile
+        cut = take - part
+        if part and 4 * part <= 3 * self.mixed_tile and cut >= part and waiting - cut < self.mixed_tokens:
+            return cut
+        return take
 
     def _hold_prompts(self) -> bool:
         """Do the fresh prompts wait this step? Only while other sequences decode, and until

@@ -215,33 +215,33 @@ def test_beside_decode_rows_prompts_are_fed_in_mixed_chunks():
 
 def test_a_mixed_steps_prompt_tokens_end_at_a_whole_matmul_tile():
     """A mixed step's rows are its matmuls' M, computed in tiles (cuBLAS's 128 rows, 16
-    here): the prompt tokens stop at the last whole tile past the decode rows, and what is
-    cut rides in the next step; tokens too few to reach a tile's end are all taken."""
-    s = Scheduler(n_slots=8, max_waiting=8, prefill_chunk=1000, max_context=1000,
-                  mixed_tokens=50, mixed_tile=16)
-    for i in range(3):
-        s.add(_seq(f"run{i}", 5))
-    s.admit()
-    _step(s)  # nothing decodes yet: one prefill step
-    decoding = [(f"run{i}", 1) for i in range(3)]
-    s.add(_seq("p", 40))
-    s.admit()
-    # 3 + 40 rows would start a third tile: 29 tokens end the step at 32 rows, 11 follow
-    assert [_step(s) for _ in range(2)] == [[*decoding, ("p", 29)], [*decoding, ("p", 11)]]
-    decoding.append(("p", 1))
-    s.add(_seq("q", 100))
-    s.admit()
-    # the budget (50) would end at 54 rows: cut to 48, then the last 12 end at 16 rows
-    assert [_step(s)[-1] for _ in range(3)] == [("q", 44), ("q", 44), ("q", 12)]
-    untiled = Scheduler(n_slots=8, max_waiting=8, prefill_chunk=1000, max_context=1000,
-                        mixed_tokens=50, mixed_tile=10**9)  # a tile no step fills: no cut
-    for i in range(3):
-        untiled.add(_seq(f"run{i}", 5))
-    untiled.admit()
-    _step(untiled)
-    untiled.add(_seq("p", 40))
-    untiled.admit()
-    assert _step(untiled)[-1] == ("p", 40)
+    here): the prompt tokens stop at the last whole tile when the rows past it would fill
+    at most three quarters of the next, and what is cut rides in the next step; no cut
+    when it keeps fewer tokens than it drops, or when a whole budget would still wait."""
+
+    def decoding(n: int, tile: int) -> Scheduler:
+        s = Scheduler(n_slots=n + 2, max_waiting=8, prefill_chunk=1000, max_context=1000,
+                      mixed_tokens=50, mixed_tile=tile)
+        for i in range(n):
+            s.add(_seq(f"run{i}", 5))
+        s.admit()
+        _step(s)  # nothing decodes yet: one prefill step
+        return s
+
+    def feeds(s: Scheduler, prompt: int, steps: int) -> list[int]:
+        s.add(_seq("p", prompt))
+        s.admit()
+        return [_step(s)[-1][1] for _ in range(steps)]
+
+    # 3 + 40 rows: 11 past the second tile; cut, they follow
+    assert feeds(decoding(3, 16), 40, 2) == [29, 11]
+    # 3 + 43 rows: 14 past it, more than three quarters of a tile: all taken
+    assert feeds(decoding(3, 16), 43, 1) == [43]
+    # the budget (50) ends at 53 rows; cut to 48, a whole budget (55) would still wait
+    assert feeds(decoding(3, 16), 100, 3) == [50, 45, 5]
+    # 3 + 3 rows in tiles of 4: a cut would keep one token and drop two
+    assert feeds(decoding(3, 4), 3, 1) == [3]
+    assert feeds(decoding(3, 10**9), 40, 1) == [40]  # a tile no step fills: no cut
 
 
 def test_a_long_prompt_is_prefilled_in_steps_of_its_own_beside_decode_rows():
