@@ -391,9 +391,9 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
 
     model, runner = graphed.model, graphed.runner
     graphs = runner.graphs
-    assert graphs is not None and 48 in graphs.mixed_buckets, graphed.mode
+    assert graphs is not None and 64 in graphs.mixed_buckets, graphed.mode
     model.prefill([(s, 0, list(range(300 + s, 330 + s))) for s in range(2)], [False] * 2)
-    chunk = list(range(100, 146))  # 2 decode rows + 46 tokens: bucket 48
+    chunk = list(range(100, 162))  # 2 decode rows + 62 tokens: bucket 64
     apart = torch.cat([model.decode(*_inputs(2, [30, 30])),
                        model.prefill([(2, 0, chunk)], [True])]).clone()
     rows = [StepRow(0, 30, [100]), StepRow(1, 30, [101]), StepRow(2, 0, chunk)]
@@ -405,11 +405,11 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
     tokens = [token for token, _ in runner.launch(rows).tokens()]
     assert _first_choices(apart, tokens)
     ids = torch.tensor([100, 101, *chunk], device="cuda")
-    positions = torch.tensor([30, 30, *range(46)], device="cuda")
-    slots = torch.tensor([0, 1, *[2] * 46], device="cuda")
-    heads = torch.zeros(graphs.head_rows(48), dtype=torch.long, device="cuda")
-    heads[:3] = torch.tensor([0, 1, 47])
-    groups = torch.from_numpy(chunk_groups(2, [46], model.chunk_tokens, 48)).cuda()
+    positions = torch.tensor([30, 30, *range(62)], device="cuda")
+    slots = torch.tensor([0, 1, *[2] * 62], device="cuda")
+    heads = torch.zeros(graphs.head_rows(64), dtype=torch.long, device="cuda")
+    heads[:3] = torch.tensor([0, 1, 63])
+    groups = torch.from_numpy(chunk_groups(2, [62], model.chunk_tokens, 64)).cuda()
     eager = model.decode(ids, positions, slots, heads, groups)[:3].clone()
     replayed = graphs.run(_graph_inputs(ids, positions, slots), 3, heads, groups)[0].clone()
     assert torch.equal(eager, replayed)
