@@ -66,6 +66,7 @@ MIXED_MAX_POSITION = 1024
 # 231 at 288 (a third tile started), 267 at 384. A prompt token costs ~0.4-0.6 us a layer
 # in a tile that is filled and up to ~1.6 in one just started: a mixed step's prompt tokens
 # stop at a tile's end when little of the next would be filled (Scheduler._mixed_budget).
+# Another GPU or GEMM library may tile otherwise: bench/bench_matmul.py measures it.
 MIXED_TILE = 128
 
 
