@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "matmul.json")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_matmul: needs a CUDA device (it times cuBLAS)")
     weights = {name: torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02
                for name, shape in WEIGHTS.items()}
     params = sum(w.numel() for w in weights.values())
