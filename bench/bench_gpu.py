@@ -258,6 +258,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     from finsieve.client import chat_request
     from finsieve.engine.events import LATE_REPAIRS
 
+    rows_from = rows_to = None  # the steps' rows (matmul M) over the row's window, by bucket
     live: dict[int, tuple[TimingSink, float]] = {}
     done: list[dict] = []
     sinks: list[TimingSink] = []
@@ -296,6 +297,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
             pending[s] -= 1
         if step == last_start:
             all_running = time.perf_counter()
+            rows_from = _step_rows()
         t = time.perf_counter()
         if engine.step():
             steps.append((t, time.perf_counter() - t))
@@ -316,6 +318,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
                     submit(s)
                 elif idle_from is None:
                     idle_from = time.perf_counter()
+                    rows_to = _step_rows()
     wall = time.perf_counter() - start
     workers.shutdown()
     if not spread:
@@ -329,9 +332,21 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
         row["tokens"] = sum(n for sink in sinks for t, n in zip(sink.times, sink.tokens, strict=True)
                             if t_a <= t <= t_b)
         row["tokens_per_s"] = row["tokens"] / row["wall_s"]
+    rows_to = rows_to if spread and rows_to else _step_rows()
+    row["step_rows"] = {le: rows_to[le] - rows_from.get(le, 0) for le in rows_to}
     row["late_repairs"] = LATE_REPAIRS._value.get() - repairs_before
     row["last_first_token_s"] = max((r["first_at"] or 0) for r in done)
     return row
+
+
+def _step_rows() -> dict[str, float]:
+    """The engine's steps so far by rows fed (finsieve_engine_step_rows), per bucket: the
+    count of steps of at most `le` rows and more than the bucket before's."""
+    from finsieve.engine.events import STEP_ROWS
+
+    cumulative = [(s.labels["le"], s.value) for s in STEP_ROWS.collect()[0].samples
+                  if s.name.endswith("_bucket")]
+    return {le: n - (cumulative[i - 1][1] if i else 0) for i, (le, n) in enumerate(cumulative)}
 
 
 def phase_inprocess(args) -> dict:

@@ -47,7 +47,7 @@ from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2
 
 from . import events
-from .events import LATE_REPAIRS, LOOP_SECONDS, ROLLBACKS, STEP_SECONDS, TOKENS, Outbox
+from .events import LATE_REPAIRS, LOOP_SECONDS, ROLLBACKS, STEP_ROWS, STEP_SECONDS, TOKENS, Outbox
 from .hf_runner import HFRunner
 from .loader import LoadedModel
 from .model import SUPPORTED_ARCHITECTURES, CompactLM
@@ -269,6 +269,7 @@ class LLMEngine:
         except Exception as e:
             self._step_failed(e, [r.seq for r in rows], out)
             return None
+        STEP_ROWS.observe(sum(len(r.tokens) or 1 for r in rows))
         seqs = [rows[i].seq for i in launch.order]
         for j, seq in enumerate(seqs):
             seq.pending_row = j

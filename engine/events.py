@@ -22,6 +22,10 @@ Event = chat_pb2.ChatServerMessage
 STEP_SECONDS = Histogram("finsieve_decode_step_seconds",
                          "One decode step for the whole batch (the inter-token latency)",
                          buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
+STEP_ROWS = Histogram("finsieve_engine_step_rows",
+                      "Rows a step feeds the model (decode rows plus prompt tokens): its matmuls' M",
+                      buckets=(1, 16, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 512,
+                               1024, 2048))
 TOKENS = Counter("finsieve_generated_tokens", "Tokens generated (accepted by the rules)")
 ROLLBACKS = Counter("finsieve_rollbacks", "Sequences rolled back (SAR)")
 LATE_REPAIRS = Counter(

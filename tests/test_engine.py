@@ -396,6 +396,27 @@ def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(e
     assert mixed == apart and all(apart)
 
 
+def test_each_step_reports_the_rows_it_feeds(engine):
+    """finsieve_engine_step_rows: a step feeds its prompt tokens and one row a decode row, so
+    an answer cut by max_tokens takes one step a token, fed its prompt and every token but
+    its last (run-ahead stops before the token that ends it)."""
+    from finsieve.engine.events import STEP_ROWS
+
+    def count_and_sum() -> tuple[float, float]:
+        values = {s.name: s.value for s in STEP_ROWS.collect()[0].samples}
+        return values["finsieve_engine_step_rows_count"], values["finsieve_engine_step_rows_sum"]
+
+    sink = CollectingSink()
+    seq = engine.prepare(chat_request("rows", "What is a bond?", max_tokens=6), sink)
+    steps, rows = count_and_sum()
+    engine.submit(seq)
+    while not sink.finished:
+        engine.step()
+    assert seq.finish_reason is Finish.LENGTH and len(seq.output_ids) == 6
+    after = count_and_sum()
+    assert (after[0] - steps, after[1] - rows) == (6, len(seq.prompt_ids) + 5)
+
+
 def test_an_exception_in_one_sequence_fails_that_sequence_alone(engine, monkeypatch):
     requests = [chat_request(f"r{i}", "Name a kind of savings account.", max_tokens=10) for i in range(3)]
     sinks = {r.request_id: CollectingSink() for r in requests}
