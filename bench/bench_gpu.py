@@ -409,12 +409,20 @@ def phase_inprocess(args) -> dict:
     with _mixed_steps_off(engine):
         result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
         result["steady_unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off")
-    # mixed steps whose prompt tokens fill the budget wherever it ends (no whole-tile cut)
-    tile, engine.scheduler.mixed_tile = engine.scheduler.mixed_tile, 2**62
-    try:
-        result["steady_untiled"] = _baseline_rows(engine, texts, args, "tile cut off")
-    finally:
-        engine.scheduler.mixed_tile = tile
+    tile = engine.scheduler.mixed_tile
+
+    def cut_to(other: int, label: str) -> list[dict]:
+        engine.scheduler.mixed_tile = other
+        try:
+            return _baseline_rows(engine, texts, args, label, least=args.sweep_from)
+        finally:
+            engine.scheduler.mixed_tile = tile
+
+    # mixed steps whose prompt tokens fill the budget wherever it ends (a tile no step fills),
+    # and cut to other tiles than MIXED_TILE
+    result["steady_untiled"] = cut_to(2**62, "tile cut off")
+    result["tile_sweep"] = [{**row, "mixed_tile": t} for t in args.tile_sweep
+                            for row in cut_to(t, f"tiles of {t} rows")]
     served_budget = engine.scheduler.mixed_tokens
     result["mixed_sweep"] = []
     for budget in [b for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens]:
@@ -1346,9 +1354,11 @@ def table(r: dict) -> str:
                              ("inprocess", "steady_unmixed", "steady-um"),
                              ("inprocess", "steady_threads", "steady-th"),
                              ("inprocess", "steady_untiled", "steady-ut"),
-                             ("inprocess", "mixed_sweep", "steady-mix"), ("serve", "levels", "serve")):
+                             ("inprocess", "mixed_sweep", "steady-mix"),
+                             ("inprocess", "tile_sweep", "steady-tile"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
             label = f"mix-{row['mixed_tokens']}" if "mixed_tokens" in row else \
+                f"tile-{row['mixed_tile']}" if "mixed_tile" in row else \
                 "serve-st" if row.get("steady") else path
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None
@@ -1414,8 +1424,11 @@ def main() -> None:
     ap.add_argument("--mixed-sweep", type=int, nargs="*", default=[],
                     help="in-process: steady rows, rules on, at --sweep-from streams and more "
                          "with these budgets (each at most --mixed-tokens)")
+    ap.add_argument("--tile-sweep", type=int, nargs="*", default=[],
+                    help="in-process: steady rows, rules on, at --sweep-from streams and more "
+                         "with mixed steps cut to these matmul tiles instead of MIXED_TILE")
     ap.add_argument("--sweep-from", type=int, default=64,
-                    help="in-process: the fewest streams --mixed-sweep runs at")
+                    help="in-process: the fewest streams --mixed-sweep and --tile-sweep run at")
     ap.add_argument("--serve-steady", type=float, default=0.0, metavar="SECONDS",
                     help="serve: levels of more than one stream run --steady-rounds requests a "
                          "stream, the streams starting over SECONDS (about one answer's time), "
