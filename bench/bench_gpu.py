@@ -1426,7 +1426,8 @@ def main() -> None:
                          "with these budgets (each at most --mixed-tokens)")
     ap.add_argument("--tile-sweep", type=int, nargs="*", default=[],
                     help="in-process: steady rows, rules on, at --sweep-from streams and more "
-                         "with mixed steps cut to these matmul tiles instead of MIXED_TILE")
+                         "with mixed steps cut to these matmul tiles (multiples of 32, as the "
+                         "mixed graphs' buckets) instead of MIXED_TILE")
     ap.add_argument("--sweep-from", type=int, default=64,
                     help="in-process: the fewest streams --mixed-sweep and --tile-sweep run at")
     ap.add_argument("--serve-steady", type=float, default=0.0, metavar="SECONDS",

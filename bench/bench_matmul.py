@@ -6,9 +6,9 @@ A mixed step's rows (decode rows + prompt tokens) are the M of every weight's ma
 times the four weight matmuls of a Qwen2-7B layer (fused QKV 4608 x 3584, output 3584 x
 3584, fused gate/up 37888 x 3584, down 3584 x 18944; bf16, random) through `F.linear`, as
 the compiled layers call cuBLAS, each from a CUDA graph (no launch overhead), at each M.
-The step in cost where a new tile of rows starts is what the scheduler's MIXED_TILE
-follows (engine/scheduler.py). Prints a table and writes JSON (default
-bench/results/matmul.json).
+The cost of each row past the first M (the fourth column), and the step in it where a new
+tile of rows starts, is what the scheduler's MIXED_TILE follows (engine/scheduler.py).
+Prints a table and writes JSON (default bench/results/matmul.json).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     weights = {name: torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02
                for name, shape in WEIGHTS.items()}
     params = sum(w.numel() for w in weights.values())
-    print(f"{'M':>5} {'us/layer':>9} {'TFLOP/s':>8} {'TB/s':>6} {'us/row past 64':>15}  "
+    print(f"{'M':>5} {'us/layer':>9} {'TFLOP/s':>8} {'TB/s':>6} {'us/row past first':>18}  "
           + " ".join(f"{name:>8}" for name in weights))
     rows_out, first = [], None
     for m in sorted(args.rows):
@@ -52,7 +52,7 @@ def main() -> None:
                          "flops_per_s": 2 * m * params / (total / 1e6),
                          "bytes_per_s": 2 * params / (total / 1e6)})
         print(f"{m:>5} {total:>9.1f} {rows_out[-1]['flops_per_s'] / 1e12:>8.0f} "
-              f"{rows_out[-1]['bytes_per_s'] / 1e12:>6.2f} {marginal:>15.2f}  "
+              f"{rows_out[-1]['bytes_per_s'] / 1e12:>6.2f} {marginal:>18.2f}  "
               + " ".join(f"{v:>8.1f}" for v in us.values()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows_out}, indent=1))

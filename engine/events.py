@@ -23,7 +23,8 @@ STEP_SECONDS = Histogram("finsieve_decode_step_seconds",
                          "One decode step for the whole batch (the inter-token latency)",
                          buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2))
 STEP_ROWS = Histogram("finsieve_engine_step_rows",
-                      "Rows a step feeds the model (decode rows plus prompt tokens): its matmuls' M",
+                      "Rows a step feeds the model: decode rows plus prompt tokens (in a mixed step "
+                      "or a decode step, its matmuls' M before its graph's padding)",
                       buckets=(1, 16, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 512,
                                1024, 2048))
 TOKENS = Counter("finsieve_generated_tokens", "Tokens generated (accepted by the rules)")

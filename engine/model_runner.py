@@ -89,7 +89,8 @@ class DecodeGraphs:
         most = max_rows + mixed_tokens
         # Past max_rows a mixed step is mostly prompt tokens, compute-bound: coarser buckets
         # (half the graphs) cost its padding rows little. Multiples of 32, so that a step the
-        # scheduler ends at a whole matmul tile (MIXED_TILE) is not padded into the next.
+        # scheduler ends at a whole matmul tile (MIXED_TILE, a multiple of 32) is not padded
+        # into the next.
         self.mixed_buckets = sorted({*range(16, min(max_rows, most), 16), max_rows,
                                      *range(-(-max_rows // 32) * 32, most, 32), most}) if mixed_tokens else []
         self.max_heads = max_rows

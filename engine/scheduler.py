@@ -66,7 +66,9 @@ MIXED_MAX_POSITION = 1024
 # 231 at 288 (a third tile started), 267 at 384. A prompt token costs ~0.4-0.6 us a layer
 # in a tile that is filled and up to ~1.6 in one just started: a mixed step's prompt tokens
 # stop at a tile's end when little of the next would be filled (Scheduler._mixed_budget).
-# Another GPU or GEMM library may tile otherwise: bench/bench_matmul.py measures it.
+# Another GPU or GEMM library may tile otherwise: bench/bench_matmul.py measures it. A
+# multiple of 32, as the mixed steps' graph buckets are (DecodeGraphs), or a cut step would
+# be padded into the next tile.
 MIXED_TILE = 128
 
 
@@ -192,7 +194,7 @@ class Scheduler:
         mixed = bool(rows and self.mixed_tokens
                      and sum(seq.context_len - seq.kv_len for seq in fresh) < self.prefill_chunk
                      and all(seq.context_len <= MIXED_MAX_POSITION for seq in fresh))
-        chunk = self.mixed_tokens if mixed else self.prefill_chunk
+        chunk = self.prefill_chunk
         budget = self._mixed_budget(len(rows), fresh) if mixed else chunk
         for seq in fresh:
             feed = seq.context_len - seq.kv_len
@@ -223,7 +225,7 @@ class Scheduler:
         take = min(waiting, self.mixed_tokens)
         part = (decode_rows + take) % self.mixed_tile  # rows past the last whole tile
         cut = take - part
-        if part and 4 * part <= 3 * self.mixed_tile and cut >= part and waiting - cut < self.mixed_tokens:
+        if 4 * part <= 3 * self.mixed_tile and cut >= part and waiting - cut < self.mixed_tokens:
             return cut
         return take
 

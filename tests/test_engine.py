@@ -233,14 +233,19 @@ def test_a_mixed_steps_prompt_tokens_end_at_a_whole_matmul_tile():
         s.admit()
         return [_step(s)[-1][1] for _ in range(steps)]
 
-    # 3 + 40 rows: 11 past the second tile; cut, they follow
+    # 3 + 40 rows: 11 past the second tile; cut (29 tokens end it), the 11 follow
     assert feeds(decoding(3, 16), 40, 2) == [29, 11]
-    # 3 + 43 rows: 14 past it, more than three quarters of a tile: all taken
-    assert feeds(decoding(3, 16), 43, 1) == [43]
-    # the budget (50) ends at 53 rows; cut to 48, a whole budget (55) would still wait
-    assert feeds(decoding(3, 16), 100, 3) == [50, 45, 5]
+    # 12 rows past it, three quarters of a tile: cut; 13: all taken
+    assert feeds(decoding(3, 16), 41, 2) == [29, 12]
+    assert feeds(decoding(3, 16), 42, 1) == [42]
+    # 5 + 22 rows: a cut keeps 11 tokens and drops 11, no more than it keeps: cut
+    assert feeds(decoding(5, 16), 22, 2) == [11, 11]
     # 3 + 3 rows in tiles of 4: a cut would keep one token and drop two
     assert feeds(decoding(3, 4), 3, 1) == [3]
+    # The budget (50) ends the step at 53 rows: a cut to 48 takes 45 tokens. With 94 waiting,
+    # 49 would wait after it, less than a budget: cut; with 95, a whole budget: no cut
+    assert feeds(decoding(3, 16), 94, 3) == [45, 45, 4]
+    assert feeds(decoding(3, 16), 95, 2) == [50, 45]
     assert feeds(decoding(3, 10**9), 40, 1) == [40]  # a tile no step fills: no cut
 
 
