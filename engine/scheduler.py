@@ -191,11 +191,11 @@ class Scheduler:
                 fresh.append(seq)
         # Beside decode rows, prefill rides in their forward (a mixed step) in smaller chunks;
         # not a burst of prompts, nor a long one (see the module's notes).
-        mixed = bool(rows and self.mixed_tokens
-                     and sum(seq.context_len - seq.kv_len for seq in fresh) < self.prefill_chunk
+        waiting = sum(seq.context_len - seq.kv_len for seq in fresh)
+        mixed = bool(rows and self.mixed_tokens and waiting < self.prefill_chunk
                      and all(seq.context_len <= MIXED_MAX_POSITION for seq in fresh))
         chunk = self.prefill_chunk
-        budget = self._mixed_budget(len(rows), fresh) if mixed else chunk
+        budget = self._mixed_budget(len(rows), waiting) if mixed else chunk
         for seq in fresh:
             feed = seq.context_len - seq.kv_len
             if self.mixed_tokens:  # a chunk may end anywhere: the budget is filled
@@ -213,15 +213,14 @@ class Scheduler:
             seq.ahead += last
         return rows
 
-    def _mixed_budget(self, decode_rows: int, fresh: list[Sequence]) -> int:
+    def _mixed_budget(self, decode_rows: int, waiting: int) -> int:
         """A mixed step's prompt tokens: up to mixed_tokens, cut back to the last whole tile
         of rows when the rows past it would fill at most three quarters of a tile (a tile
         just started costs a prompt token two or three times what a full one does). What is
         cut rides in the next step. No cut when it keeps fewer tokens than it drops (at 127
         decode rows a cut would take one token a step), nor when a whole budget would still
         wait after it: prompts then arrive faster than cut steps take them, and the backlog
-        must not grow into a burst."""
-        waiting = sum(seq.context_len - seq.kv_len for seq in fresh)
+        must not grow into a burst. waiting: the prompt tokens the cache lacks."""
         take = min(waiting, self.mixed_tokens)
         part = (decode_rows + take) % self.mixed_tile  # rows past the last whole tile
         cut = take - part
