@@ -100,12 +100,12 @@ def check(new) -> None:
         ref = reference(new, *args, kc, vc, slots, lengths, rope)
         out = launch(new, *args, kc.clone(), vc.clone(), slots, lengths, rope, **kw)
         err = float((out.float() - ref).norm() / ref.norm())
-        print(f"{'mixed' if shared else 'decode'} {({a: b for a, b in kw.items() if a != 'groups'})}: "
-              f"relative error {err:.1e}", flush=True)
+        print(f"{'mixed' if shared else 'decode'} {_label(kw)}: relative error {err:.1e}", flush=True)
         assert err < tolerance, err
 
 
 def _label(variant: dict) -> dict:
+    """A variant's keywords as printed: its groups tensor left out."""
     return {a: b for a, b in variant.items() if a != "groups"}
 
 

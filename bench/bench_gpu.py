@@ -409,35 +409,22 @@ def phase_inprocess(args) -> dict:
     with _mixed_steps_off(engine):
         result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
         result["steady_unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off")
-    tile = engine.scheduler.mixed_tile
 
-    def cut_to(other: int, label: str) -> list[dict]:
-        engine.scheduler.mixed_tile = other
-        try:
+    def swept(label: str, **setting) -> list[dict]:
+        """Steady rows, rules on, at --sweep-from streams and more, under a scheduler setting."""
+        with _attributes_set(engine.scheduler, **setting):
             return _baseline_rows(engine, texts, args, label, least=args.sweep_from)
-        finally:
-            engine.scheduler.mixed_tile = tile
 
     # mixed steps whose prompt tokens fill the budget wherever it ends (a tile no step fills),
-    # and cut to other tiles than MIXED_TILE
-    result["steady_untiled"] = cut_to(2**62, "tile cut off")
+    # cut to other tiles than MIXED_TILE, and other budgets
+    result["steady_untiled"] = swept("tile cut off", mixed_tile=2**62)
     result["tile_sweep"] = [{**row, "mixed_tile": t} for t in args.tile_sweep
-                            for row in cut_to(t, f"tiles of {t} rows")]
-    served_budget = engine.scheduler.mixed_tokens
-    result["mixed_sweep"] = []
-    for budget in [b for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens]:
-        engine.scheduler.mixed_tokens = budget
-        try:
-            for row in _baseline_rows(engine, texts, args, f"mixed steps of {budget} tokens",
-                                      least=args.sweep_from):
-                result["mixed_sweep"].append({**row, "mixed_tokens": budget})
-        finally:
-            engine.scheduler.mixed_tokens = served_budget
-    workers, engine.preparer = engine.preparer, Preparer(engine.tokenizer, engine.max_context, 0)
-    try:
+                            for row in swept(f"tiles of {t} rows", mixed_tile=t)]
+    result["mixed_sweep"] = [{**row, "mixed_tokens": b}
+                             for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens
+                             for row in swept(f"mixed steps of {b} tokens", mixed_tokens=b)]
+    with _attributes_set(engine, preparer=Preparer(engine.tokenizer, engine.max_context, 0)):
         result["steady_threads"] = _baseline_rows(engine, texts, args, "prepared on threads")
-    finally:
-        engine.preparer = workers
     if time_left(args) < 30:
         return result
     burst = min(64, max(args.levels))
@@ -460,18 +447,27 @@ def _rounds(args, spread: bool) -> int:
 
 
 @contextlib.contextmanager
+def _attributes_set(obj, **values):
+    """obj's attributes set for the block, then restored."""
+    saved = {name: getattr(obj, name) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
+@contextlib.contextmanager
 def _mixed_steps_off(engine):
     """The engine as FINSIEVE_MIXED_TOKENS=0 serves (prompt batching then on, its default)."""
     from finsieve.engine.engine import EngineLimits
 
-    scheduler, runner = engine.scheduler, engine.runner
-    saved = scheduler.mixed_tokens, runner.mixed_tokens, scheduler.prompt_batch
-    scheduler.mixed_tokens = runner.mixed_tokens = 0
-    scheduler.prompt_batch = EngineLimits.prompt_batch_tokens
-    try:
+    with _attributes_set(engine.scheduler, mixed_tokens=0,
+                         prompt_batch=EngineLimits.prompt_batch_tokens), \
+            _attributes_set(engine.runner, mixed_tokens=0):
         yield
-    finally:
-        scheduler.mixed_tokens, runner.mixed_tokens, scheduler.prompt_batch = saved
 
 
 def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = True,
