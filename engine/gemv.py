@@ -65,7 +65,7 @@ class Tile:
 # us), but the one-row decode graph on a third H200 replayed in 3.68 ms with either set
 # (the GPU tests passed with both): these are the tiles every end-to-end figure ran.
 TILES = {"qkv": Tile(4, 512), "o": Tile(16, 512, warps=8), "gate_up": Tile(4, 512),
-         "down": Tile(8, 512, splits=4)}
+         "down": Tile(8, 512, splits=4), "head": Tile(8, 512)}
 
 
 def add_matmul_split(x: Tensor, w: Tensor, residual: Tensor, counters: Tensor,
@@ -137,6 +137,13 @@ def add_matmul(x: Tensor, w: Tensor, residual: Tensor, tile: Tile = TILES["o"],
         add_matmul_split(x, w, residual, counters, tile)
         return
     _launch(PLAIN, x, w, residual, tile, w.shape[0] // tile.block_n, residual=residual)
+
+
+def norm_matmul(x: Tensor, norm: Tensor, eps: float, w: Tensor, tile: Tile = TILES["head"]) -> Tensor:
+    """rms_norm(x) @ w.T (rows of w,): the head, its final norm inside."""
+    out = torch.empty(w.shape[0], device=x.device, dtype=x.dtype)
+    _launch(PLAIN, x, w, out, tile, w.shape[0] // tile.block_n, norm=norm, eps=eps)
+    return out
 
 
 def norm_gate_up_silu(x: Tensor, norm: Tensor, eps: float, w: Tensor,

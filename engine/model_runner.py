@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .attention import VarlenKeys, chunk_groups
 from .model import prefill_arrays
-from .sampler import BanIndex, DeviceParams, SamplingRows, sample
+from .sampler import BanIndex, DeviceParams, SamplingRows, sample, sample_greedy
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +100,7 @@ class DecodeGraphs:
         self.heads = torch.zeros(max_rows, dtype=torch.long, device=model.device)
         self.groups = torch.zeros(2, most, dtype=torch.long, device=model.device)
         self.prev = torch.zeros(max_rows, dtype=torch.long, device=model.device)
+        self.greedy = sample_greedy  # captured in each graph (bench_one_row times torch's ops)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
 
     def bucket(self, rows: int, mixed: bool = False) -> int:
@@ -125,7 +126,7 @@ class DecodeGraphs:
         # A row that had nothing allowed sampled -1: fed as token 0, its result is dropped.
         ids = torch.where(ahead.bool(), self.prev[prev_row].clamp(min=0), ids)
         logits = self.model.decode(ids, positions, slots, heads, groups)
-        greedy = sample(logits, None, None)
+        greedy = self.greedy(logits)
         self.prev[: greedy.shape[1]].copy_(greedy[0])
         return logits, greedy
 

@@ -27,6 +27,12 @@ from torch import Tensor
 
 from .sequence import MIN_TEMPERATURE
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch ships no Triton
+    triton = None
+
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _FLOAT_MAX = torch.finfo(torch.float32).max
@@ -152,6 +158,23 @@ def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tenso
     return torch.stack([token, first])
 
 
+def sample_greedy(logits: Tensor) -> Tensor:
+    """sample(logits, None, None), the same tokens: on CUDA one kernel that reads the logits
+    once, where the torch ops wrote and read them as float32 four times in eight kernels
+    (at one row 1% of a step, in the decode graph)."""
+    if not logits.is_cuda or triton is None:
+        return sample(logits, None, None)
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1, "the kernel reads each row's logits as one span"
+    out = torch.empty(2, rows, dtype=torch.long, device=logits.device)
+    _greedy_kernel[(rows,)](logits, out, logits.stride(0), vocab, BLOCK=GREEDY_BLOCK,
+                            num_warps=8)
+    return out
+
+
+GREEDY_BLOCK = 4096  # logits a loop iteration of the greedy kernel
+
+
 def _sampled(x: Tensor, p: DeviceParams) -> Tensor:
     sampled = p.temperature > 0  # NaN is not: greedy
     # Within [MIN_TEMPERATURE, 1e4]: -inf / inf would be NaN, and x / 1e-45 is not finite.
@@ -174,3 +197,38 @@ def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     drop |= ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False
     return x.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _greedy_kernel(Logits, Out, stride, vocab, BLOCK: tl.constexpr):
+        """Row r's best token after NaN -> -inf, +inf -> float32's max (-1 when nothing is
+        above -inf), and its first choice as torch.argmax makes it (a NaN wins, the first
+        one); ties go to the lowest id, as in torch's max and argmax."""
+        row = tl.program_id(0)
+        at = Logits + row.to(tl.int64) * stride
+        best = tl.full([], float("-inf"), tl.float32)
+        token = tl.full([], -1, tl.int64)
+        top = tl.full([], float("-inf"), tl.float32)  # the first choice, NaN aside
+        first = tl.full([], 0, tl.int64)  # (a row of -inf: 0, as torch.argmax)
+        nan = tl.full([], -1, tl.int64)  # the first NaN's id
+        for start in range(0, vocab, BLOCK):
+            ids = start + tl.arange(0, BLOCK)
+            x = tl.load(at + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
+            is_nan = x != x
+            safe = tl.where(is_nan, float("-inf"), tl.minimum(x, 3.4028234663852886e38))
+            block_best, block_at = tl.max(safe, 0, return_indices=True)
+            if block_best > best:  # strictly: an earlier block keeps a tie
+                best = block_best
+                token = (start + block_at).to(tl.int64)
+            block_top, top_at = tl.max(tl.where(is_nan, float("-inf"), x), 0, return_indices=True)
+            if block_top > top:
+                top = block_top
+                first = (start + top_at).to(tl.int64)
+            if nan < 0:
+                nan_at = tl.min(tl.where(is_nan, ids, vocab), 0)
+                if nan_at < vocab:
+                    nan = nan_at.to(tl.int64)
+        tl.store(Out + row, token)
+        tl.store(Out + tl.num_programs(0) + row, tl.where(nan >= 0, nan, first))

@@ -233,6 +233,29 @@ def test_the_split_k_gemv_sums_every_part_once_in_a_fixed_order():
     assert all(torch.equal(out, one) for out in queued) and not counters.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_kernel_picks_the_tokens_of_the_torch_sample(dtype):
+    """sample_greedy (one kernel) against sample(logits, None, None), both tokens and first
+    choices, on rows made to break it: ties inside a block and across blocks (the lowest id
+    wins), +inf (twice), every logit -inf (-1, first choice 0), NaNs (never the token; the
+    first NaN is torch.argmax's first choice), a width that is no multiple of the block."""
+    from finsieve.engine.sampler import GREEDY_BLOCK, sample, sample_greedy
+
+    torch.manual_seed(0)
+    vocab = 3 * GREEDY_BLOCK + 123
+    x = torch.randn(64, vocab, device="cuda").to(dtype)
+    x[1, [5000, 7000]] = float("inf")
+    x[2] = float("-inf")
+    x[3, [123, 9000]] = float("nan")
+    x[4] = 1.0
+    x[5, [GREEDY_BLOCK - 1, GREEDY_BLOCK, vocab - 1]] = 100.0
+    x[6] = float("nan")
+    x[7, :-1] = float("-inf")
+    x[8] = x[8].round()  # many ties below the best
+    assert torch.equal(sample_greedy(x), sample(x, None, None))
+    assert torch.equal(sample_greedy(x[:1]), sample(x[:1], None, None))
+
+
 @pytest.fixture(scope="module")
 def graphed(random_llama):
     """The bf16 engine as it serves: compiled, decode in CUDA graphs."""

@@ -1,0 +1,178 @@
+"""One row's decode step on CUDA, as a single stream's tokens cost, against the floor.
+
+    python3 bench/bench_one_row.py [--rounds 5] [--out FILE]      # on a GPU (Hopper+)
+
+A Qwen2-7B-shaped model with random bf16 weights (built on the device, no files), one row
+decoding at position 400-700 of its slot through the GEMV kernels (engine/gemv.py), against
+the copy-bandwidth floor (weight bytes read a step / device-to-device copy rate) measured
+in the same run. Three measures, each one CUDA graph a step as the engine replays them:
+
+  forward      the model's decode alone
+  graph        the engine's decode graph: the optimistic row's token taken from the last
+               step, the forward, the greedy sample
+  runner       the model runner's loop as the engine drives it: launch step N+1, then
+               read step N's token (inputs staged, the graph, the copy of the token back)
+
+for the tree and for what it replaced, in the same run, round-robin (the median of
+`--rounds`): `before`, the head through cuBLAS after eager norm kernels and the greedy
+sample as torch ops; `head`, the final norm inside the head's GEMV; `tree`, also the
+greedy sample in one kernel (sampler.sample_greedy). Columns `repeats`: a variant's runner
+loop gives the same 300 tokens in every round; `= before`: the same as `before` (the
+head's GEMV sums in another order than cuBLAS, so a near-tie may go the other way; the
+greedy kernel changes no token). Then the tree's runner
+loop with a ban list on the row (the rules' exact mask: the sample then runs after the
+graph). Prints a table and writes JSON (default bench/results/one_row.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_gpu import QWEN2_7B
+
+from finsieve.engine.model import CompactLM
+from finsieve.engine.model_runner import ModelRunner, StepRow, _captured
+from finsieve.engine.sampler import sample, sample_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {  # label -> (the head's GEMV, the greedy sample the graph captures)
+    "before": (False, lambda logits: sample(logits, None, None)),
+    "head": (True, lambda logits: sample(logits, None, None)),
+    "tree": (True, sample_greedy),
+}
+START = 400  # the row's first position
+
+
+def build(max_len: int = 1024) -> tuple[CompactLM, int]:
+    """The compact model over random weights, and the bytes a one-row step reads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**QWEN2_7B, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
+                  if "embed_tokens" not in n)
+    model = CompactLM(hf, n_slots=2, max_len=max_len, own_weights=True)
+    for layer in range(len(model.layers)):
+        model.cache.k[layer].normal_()
+        model.cache.v[layer].normal_()
+    return model, weights
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1024**3, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    times = []
+    for i in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        if i >= 3:
+            times.append(s.elapsed_time(e) / 1000)
+    return 2 * a.nbytes / statistics.median(times)
+
+
+def replay_ms(replay, n: int = 40) -> float:
+    """ms of one call of `replay` (a graph's replay: it cannot be captured in another),
+    from n calls queued back to back."""
+    for _ in range(3):
+        replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def runner_loop(runner: ModelRunner, bans: int = 0, steps: int = 300) -> tuple[float, list[int]]:
+    """ms a step of the runner's loop as the engine drives it (one optimistic row, `bans`
+    token ids banned: one sorted list, as the rules hand out), and the tokens."""
+    banned = sorted(range(7, 7 + 97 * bans, 97))
+    flight = runner.launch([StepRow(0, START, [1000], bans=banned)])
+    times, tokens = [], []
+    for i in range(1, steps):
+        t = time.perf_counter()
+        launched = runner.launch([StepRow(0, START + i, [], prev=0, bans=banned)])
+        tokens.append(flight.tokens()[0][0])
+        flight = launched
+        times.append(time.perf_counter() - t)
+    tokens.append(flight.tokens()[0][0])
+    return 1000 * statistics.median(times[20:]), tokens
+
+
+def measure(model: CompactLM, greedy) -> dict:
+    """The three measures of one variant (model.gemv_head set by the caller)."""
+    ids, positions, slots = (torch.tensor([v], device="cuda") for v in (1000, 500, 0))
+    forward = _captured(lambda: model.decode(ids, positions, slots), None)[0]
+    runner = ModelRunner(model, torch.device("cuda"), graphs=False)
+    runner.graphs = graphs = _graphs(model, greedy)
+    inputs = torch.tensor([[1000], [500], [0], [1], [0]], device="cuda")  # optimistic
+    loop_ms, tokens = runner_loop(runner)
+    return {"forward": replay_ms(forward.replay), "graph": replay_ms(lambda: graphs.run(inputs, 1)),
+            "runner": loop_ms, "tokens": tokens}
+
+
+def _graphs(model: CompactLM, greedy):
+    from finsieve.engine.model_runner import DecodeGraphs
+
+    graphs = DecodeGraphs(model, 1)
+    graphs.greedy = greedy
+    graphs.capture()
+    return graphs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "one_row.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_one_row: needs a CUDA device")
+    bandwidth = copy_bandwidth()
+    model, weight_bytes = build()
+    assert model.gemv, "the GEMV kernels do not take this shape here"
+    floor_ms = 1000 * weight_bytes / bandwidth
+    runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
+    for _ in range(args.rounds):
+        for label, (head, greedy) in VARIANTS.items():
+            model.gemv_head = head
+            runs[label].append(measure(model, greedy))
+    print(f"copy {bandwidth / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB: floor "
+          f"{floor_ms:.3f} ms/step, {1000 / floor_ms:.0f} tokens/s")
+    print(f"{'variant':<8} {'forward ms':>10} {'graph ms':>9} {'runner ms':>10} {'of floor':>9} "
+          f"{'tok/s':>6} {'vs before':>10} repeats = before")
+    rows, base = [], None
+    for label, results in runs.items():
+        ms = {k: statistics.median(r[k] for r in results) for k in ("forward", "graph", "runner")}
+        base = base or ms["runner"]
+        repeats = all(r["tokens"] == results[0]["tokens"] for r in results)
+        as_before = results[0]["tokens"] == runs["before"][0]["tokens"]
+        rows.append({"variant": label, **ms, "of_floor": floor_ms / ms["runner"],
+                     "repeats": repeats, "tokens_as_before": as_before,
+                     "runner_ms_each": [r["runner"] for r in results]})
+        print(f"{label:<8} {ms['forward']:>10.3f} {ms['graph']:>9.3f} {ms['runner']:>10.3f} "
+              f"{floor_ms / ms['runner']:>9.1%} {1000 / ms['runner']:>6.0f} "
+              f"{ms['runner'] / base - 1:>+10.1%} {repeats!s:>7} {as_before}", flush=True)
+    runner = ModelRunner(model, torch.device("cuda"), graphs=True)
+    banned = {n: runner_loop(runner, n)[0] for n in (64, 512)}
+    for n, ms in banned.items():
+        print(f"tree, runner loop with {n} bans: {ms:.3f} ms ({floor_ms / ms:.1%} of floor)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                    "copy_bandwidth_bytes_s": bandwidth,
+                                    "weight_bytes": weight_bytes, "floor_ms": floor_ms,
+                                    "variants": rows, "banned_runner_ms": banned}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
