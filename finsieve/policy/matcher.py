@@ -281,14 +281,20 @@ class StreamMatcher:
         # decode loop, a search is called directly (never retried): one call per search.
         timeout = self.rules.regex_timeout_s
         search, fullmatch = r.pattern.search, r.pattern.fullmatch
-        if self._deadline is not None:  # a whole text
+        whole = self._deadline is not None  # a whole text
+        if whole:
             search, fullmatch = self._budgeted(search), self._budgeted(fullmatch)
         n = base + len(window)
+        # A match still growing that begins before this is longer than the rule allows (below).
+        kept_from = n - r.max_span - 1 - base
         while pos < n:
             try:
                 # At the end of the stream a match is what it is: no more partials.
-                m = search(window, pos=pos - base, partial=not final, timeout=timeout,
-                           concurrent=concurrent)
+                if whole and not final:
+                    m = _first_match(search, window, pos - base, kept_from, timeout, concurrent)
+                else:
+                    m = search(window, pos=pos - base, partial=not final, timeout=timeout,
+                               concurrent=concurrent)
                 if m is None:
                     return
                 s, e = m.start() + base, m.end() + base
@@ -345,6 +351,22 @@ class StreamMatcher:
             norm.pending if norm.raw_len != norm.decoded_len else b"", len(norm.text),
             norm.raw_end[-1] if norm.raw_end else 0, norm.space, self.depth,
             tuple(self._in_making.items()) if self._in_making else (), len(self.matches)))
+
+
+def _first_match(search: Callable[..., Any], window: str, pos: int, kept_from: int,
+                 timeout: float, concurrent: bool | None) -> Any:
+    """search(window, pos=pos, partial=True) as _search acts on it, for a whole text, in about
+    half the time. `regex` answers a partial search with the first complete match if there is
+    one, else with the first partial match (one that runs to the end of the text): two passes
+    over the whole text. A partial match that begins before `kept_from` is longer than its rule
+    allows, and _search skips it, so the second pass need only begin there. On the benchmark's
+    prompts (128-512 tokens) the IBAN pattern took ~0.55 ms a search partial, ~0.2 ms not:
+    most of a prompt's input scan, and of the gateway's masking of it for the audit trail."""
+    m = search(window, pos=pos, partial=False, timeout=timeout, concurrent=concurrent)
+    if m is not None:
+        return m
+    return search(window, pos=max(pos, kept_from), partial=True, timeout=timeout,
+                  concurrent=concurrent)
 
 
 def scan_text(rules: RuleSet, text: str) -> list[Match]:
