@@ -21,7 +21,9 @@ loop gives the same 300 tokens in every round; `= before`: the same as `before` 
 head's GEMV sums in another order than cuBLAS, so a near-tie may go the other way; the
 greedy kernel changes no token). Then the tree's runner
 loop with a ban list on the row (the rules' exact mask: the sample then runs after the
-graph). Prints a table and writes JSON (default bench/results/one_row.json).
+graph), and the greedy kernel against the torch ops it replaced at 1-256 rows (it serves
+every decode and mixed graph). Prints tables and writes JSON (default
+bench/results/one_row.json).
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ def _graphs(model: CompactLM, greedy):
     return graphs
 
 
+def greedy_us(rows: int) -> dict[str, float]:
+    """Microseconds of the greedy sample of `rows` rows of logits, each way, from a graph."""
+    x = torch.randn(rows, 49152, device="cuda", dtype=torch.bfloat16)
+    ways = {"torch ops": lambda: sample(x, None, None), "kernel": lambda: sample_greedy(x)}
+    assert torch.equal(ways["kernel"](), ways["torch ops"]())
+    return {way: 1000 * replay_ms(_captured(fn, None)[0].replay) for way, fn in ways.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -167,11 +177,16 @@ def main() -> None:
     banned = {n: runner_loop(runner, n)[0] for n in (64, 512)}
     for n, ms in banned.items():
         print(f"tree, runner loop with {n} bans: {ms:.3f} ms ({floor_ms / ms:.1%} of floor)")
+    greedy = {n: greedy_us(n) for n in (1, 16, 64, 128, 256)}
+    print(f"{'greedy sample, rows':<20} {'torch ops us':>12} {'kernel us':>10}")
+    for n, us in greedy.items():
+        print(f"{n:<20} {us['torch ops']:>12.1f} {us['kernel']:>10.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                     "copy_bandwidth_bytes_s": bandwidth,
                                     "weight_bytes": weight_bytes, "floor_ms": floor_ms,
-                                    "variants": rows, "banned_runner_ms": banned}, indent=1))
+                                    "variants": rows, "banned_runner_ms": banned,
+                                    "greedy_us": greedy}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ the attention (3.68 ms a step, the launches overlapped, see attention.overlapped
     h    = silu(rms_norm(x) @ Wgate.T) * (rms_norm(x) @ Wup.T)
     x   += h @ Wdown.T                        split-K over the long K
 
+and the head one more after the last layer, logits = rms_norm(x) @ Whead.T (the final
+norm's eager kernels and cuBLAS's GEMV cost 0.5% of a step more; bench/bench_one_row.py).
+
 Each program of the first three owns BLOCK_N output rows, two blocks where a pair meets in
 the epilogue (the two RoPE halves of a head; the gate and up rows of a unit), and sums them
 over the whole K: no split-K, so no reduce kernel and one fixed order of summation (a
