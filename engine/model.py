@@ -106,8 +106,11 @@ class CompactLM:
                                    self.n_heads, self.head_dim)
                      and all(w.is_contiguous() for layer in self.layers
                              for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)))
-        # ...and the head, its final norm inside, where the tile divides the vocabulary
-        self.gemv_head = self.gemv and self.vocab_size % gemv.TILES["head"].block_n == 0
+        # ...and the head, its final norm inside, where its tile takes the head's shape
+        head = gemv.TILES["head"]
+        self.gemv_head = (self.gemv and self.lm_head.is_contiguous()
+                          and self.lm_head.shape[0] % head.block_n == 0
+                          and gemv.block_k_for(self.lm_head.shape[1], head.block_k) > 0)
         # The split-K GEMVs' counters (zeros between launches), one set per projection
         self._o_counters, self._down_counters = (
             torch.zeros(cfg.hidden_size // gemv.TILES[name].block_n, dtype=torch.int32,

@@ -638,3 +638,28 @@ def test_regexes_with_negations_and_han_classes_run_only_when_their_first_charac
     assert zh is not None and "保" in zh and "确" in zh and "a" not in zh and "不" not in zh
     assert en is not None and en.word_start and "g" in en and "n" not in en
     assert first_chars(r"\p{Han}+x") is None  # a property class first: any character
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=st.sampled_from([r"a.*z|b", r"ab+c", r"(?:xy)+q|y", r"\bab\d{2,4}\b", r"a(?=bc)",
+                                r"[a-c]{3}z?", r"x*"]),
+       text=st.text(alphabet="abcxyzq 12", max_size=40), pos=st.integers(0, 40),
+       kept_from=st.integers(-5, 45))
+def test_a_whole_text_search_finds_what_one_partial_search_did_where_it_is_kept(
+        pattern, text, pos, kept_from):
+    """A whole text's search in two passes (complete, then partial from where a growing match
+    could still be kept) answers as `regex`'s one partial search: the same complete match,
+    the same partial one when it starts where it is kept, else the first partial one there."""
+    import regex
+
+    from finsieve.policy.matcher import _first_match
+
+    search = regex.compile(pattern).search
+    pos = min(pos, len(text))
+    one = search(text, pos=pos, partial=True)
+    two = _first_match(search, text, pos, kept_from, 1.0, None)
+    if one is not None and (not one.partial or one.start() >= kept_from):
+        assert two is not None and (two.span(), two.partial) == (one.span(), one.partial)
+    else:
+        rest = search(text, pos=max(pos, kept_from), partial=True)
+        assert (two and (two.span(), two.partial)) == (rest and (rest.span(), rest.partial))

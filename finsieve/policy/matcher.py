@@ -362,10 +362,15 @@ def _first_match(search: Callable[..., Any], window: str, pos: int, kept_from: i
     allows, and _search skips it, so the second pass need only begin there. On the benchmark's
     prompts (128-512 tokens) the IBAN pattern took ~0.55 ms a search partial, ~0.2 ms not:
     most of a prompt's input scan, and of the gateway's masking of it for the audit trail."""
+    cpu = time.thread_time()
     m = search(window, pos=pos, partial=False, timeout=timeout, concurrent=concurrent)
     if m is not None:
         return m
-    return search(window, pos=max(pos, kept_from), partial=True, timeout=timeout,
+    # One search's timeout for both passes, as for the one search they replace.
+    left = timeout - (time.thread_time() - cpu)
+    if left <= 0:
+        raise TimeoutError("a whole-text search used its timeout on its first pass")
+    return search(window, pos=max(pos, kept_from), partial=True, timeout=left,
                   concurrent=concurrent)
 
 
