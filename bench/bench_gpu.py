@@ -79,8 +79,14 @@ def time_left(args) -> float:
 
 
 def pct(values: list[float], q: float) -> float | None:
+    """The q-quantile, interpolated between the nearest two samples: the median of two
+    requests (one stream's default) is their mean, where the nearest rank took the larger."""
+    if not values:
+        return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+    k = q * (len(s) - 1)
+    lo = int(k)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
 
 
 def free_port() -> int:
