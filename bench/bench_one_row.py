@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu import QWEN2_7B
+from bench_gpu import QWEN2_7B, phase_device
 
 from finsieve.engine.model import CompactLM
 from finsieve.engine.model_runner import ModelRunner, StepRow, _captured
@@ -66,21 +66,6 @@ def build(max_len: int = 1024) -> tuple[CompactLM, int]:
         model.cache.k[layer].normal_()
         model.cache.v[layer].normal_()
     return model, weights
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1024**3, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    times = []
-    for i in range(13):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        if i >= 3:
-            times.append(s.elapsed_time(e) / 1000)
-    return 2 * a.nbytes / statistics.median(times)
 
 
 def replay_ms(replay, n: int = 40) -> float:
@@ -149,7 +134,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_one_row: needs a CUDA device")
-    bandwidth = copy_bandwidth()
+    bandwidth = phase_device(args)["copy_bandwidth_bytes_s"]
     model, weight_bytes = build()
     assert model.gemv, "the GEMV kernels do not take this shape here"
     floor_ms = 1000 * weight_bytes / bandwidth
