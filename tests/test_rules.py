@@ -616,6 +616,24 @@ def test_a_pattern_that_searches_backwards_is_refused(tmp_path):
     assert "a.yaml:5: r: patterns: '(?r)foo' searches backwards ((?r)): not supported" in str(e.value)
 
 
+@pytest.mark.parametrize(("pattern", "refused"), [
+    (r"\Gab", True), (r"x|(?:\G\d+)", True), (r"\\Gab", False), (r"\\\Gab", True),
+    (r"G\d", False),
+])
+def test_a_pattern_anchored_where_a_search_starts_is_refused(tmp_path, pattern, refused):
+    r"""`\G` matches where a search starts, and a stream is searched from wherever the matcher
+    resumes (a token's end, past a match), so whether it matches would depend on how the
+    answer was cut: refused at its line. An escaped backslash before a G is no anchor."""
+    write(tmp_path, "a.yaml", "rules:\n  - id: r\n    description: t\n    kind: regex\n"
+                              f"    patterns: ['{pattern}']\n    max_span: 20\n    action: block\n")
+    if not refused:
+        Pack.load(tmp_path)
+        return
+    with pytest.raises(PackError) as e:
+        Pack.load(tmp_path)
+    assert f"a.yaml:5: r: patterns: {pattern!r} anchors where a search starts" in str(e.value)
+
+
 def test_a_lookbehind_at_the_start_of_the_answer_sees_nothing_before_it(tmp_path):
     """Nothing precedes the first character: `(?<!\\s)` passes there (it was taken for a
     space, and the match was never searched)."""
