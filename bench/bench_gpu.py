@@ -133,27 +133,40 @@ def phase_device(args) -> dict:
 
 def phase_model(args) -> dict:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     start = time.perf_counter()
     out = Path(args.model_dir)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = Qwen2Config(**(TINY if args.tiny else QWEN2_7B), bos_token_id=1, eos_token_id=2,
-                         torch_dtype="bfloat16" if device == "cuda" else "float32")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    model = random_model(device, args.tiny)
     model.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (Path(args.tokenizer) / name).exists():
             shutil.copy(Path(args.tokenizer) / name, out / name)
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if "embed_tokens" not in n)  # decode reads one embedding row per token
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    return {"seconds": time.perf_counter() - start, "weight_bytes_per_step": weights,
-            "matmul_params": params, "config": config.to_dict()["hidden_size"]}
+    return {"seconds": time.perf_counter() - start, "weight_bytes_per_step": step_bytes(model),
+            "matmul_params": params, "config": model.config.hidden_size}
+
+
+def random_model(device: str, tiny: bool = False):
+    """The benchmark's Qwen2 model (QWEN2_7B, or TINY) with random weights, seeded, on
+    `device`: bfloat16 on CUDA, float32 on the CPU."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cuda = device == "cuda"
+    config = Qwen2Config(**(TINY if tiny else QWEN2_7B), bos_token_id=1, eos_token_id=2,
+                         torch_dtype="bfloat16" if cuda else "float32")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(torch.bfloat16 if cuda else torch.float32)
+
+
+def step_bytes(model) -> int:
+    """Weight bytes a decode step reads (one embedding row per token: none of the table)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if "embed_tokens" not in n)
 
 
 def prompts(tokenizer_dir: str, n: int, tiny: bool) -> list[str]:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu import QWEN2_7B, phase_device
+from bench_gpu import phase_device, random_model, step_bytes
 
 from finsieve.engine.model import CompactLM
 from finsieve.engine.model_runner import ModelRunner, StepRow, _captured
@@ -53,14 +53,8 @@ START = 400  # the row's first position
 
 def build(max_len: int = 1024) -> tuple[CompactLM, int]:
     """The compact model over random weights, and the bytes a one-row step reads."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**QWEN2_7B, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    weights = sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
-                  if "embed_tokens" not in n)
+    hf = random_model("cuda")
+    weights = step_bytes(hf)  # before CompactLM frees the unfused copies
     model = CompactLM(hf, n_slots=2, max_len=max_len, own_weights=True)
     for layer in range(len(model.layers)):
         model.cache.k[layer].normal_()
