@@ -34,6 +34,8 @@ _UNBOUNDED = 1 << 30
 MAX_REGEX_CHARS = 8192
 MAX_REGEX_DEPTH = 32
 MAX_DEFINITION_DEPTH = 16
+# \G: a backslash that no backslash escapes (an odd run of them) before a G
+_SEARCH_START_ANCHOR = re.compile(r"(?<!\\)(?:\\\\)*\\G")
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,7 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
             if reverse:  # the streaming matcher searches forwards from where a match may start
                 problem("patterns", f"{_show(p)} searches backwards ((?r)): not supported")
                 continue
-            if _anchors_at_search_start(expanded):
+            if _SEARCH_START_ANCHOR.search(expanded):
                 # A search starts wherever the matcher resumes (after each token, past a
                 # match), so the anchor would match or not by how the answer was cut.
                 problem("patterns", f"{_show(p)} anchors where a search starts (\\G): "
@@ -327,19 +329,6 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
         max_span=int(max_span or 0), severity=severity, locales=tuple(locales), message=message,
         source=f"{file}:{_line(node)}", audit=audit,
     ), rule_id
-
-
-def _anchors_at_search_start(pattern: str) -> bool:
-    """Does the pattern hold \\G (an escape, not an escaped backslash before a G)?"""
-    i = 0
-    while i < len(pattern) - 1:
-        if pattern[i] == "\\":
-            if pattern[i + 1] == "G":
-                return True
-            i += 2
-        else:
-            i += 1
-    return False
 
 
 class _Definitions:
