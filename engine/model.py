@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import gemv
+from .activation import silu_mul
 from .attention import (
     VarlenKeys,
     apply_rope,
@@ -287,8 +288,7 @@ class CompactLM:
         def attn_out(x: Tensor, attn: Tensor, wo: Tensor, norm: Tensor, w_gate_up: Tensor,
                      w_down: Tensor) -> tuple[Tensor, Tensor]:
             x = x + linear(attn, wo)
-            gate, up = linear(_rms_norm(x, norm, eps), w_gate_up).chunk(2, -1)
-            return x, linear(F.silu(gate) * up, w_down)
+            return x, linear(silu_mul(linear(_rms_norm(x, norm, eps), w_gate_up)), w_down)
 
         return attn_in, attn_out
 

@@ -256,6 +256,26 @@ def test_the_greedy_kernel_picks_the_tokens_of_the_torch_sample(dtype):
     assert torch.equal(sample_greedy(x[:1]), sample(x[:1], None, None))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_silu_mul_kernel_matches_the_torch_expression(dtype):
+    """silu_mul's kernel against F.silu(gate) * up in float32: widths that are and are not
+    a multiple of its block, a strided input (a row-slice of a wider buffer), no rows."""
+    import torch.nn.functional as F
+
+    from finsieve.engine.activation import BLOCK, silu_mul
+
+    torch.manual_seed(0)
+    for rows, width in ((1, 18944), (288, 18944), (3, BLOCK + 5), (0, 64)):
+        x = torch.randn(rows, 2 * width, device="cuda").to(dtype) * 4
+        gate, up = x.float().chunk(2, -1)
+        expected = F.silu(gate) * up
+        tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(silu_mul(x).float(), expected, rtol=tolerance, atol=tolerance)
+    wide = torch.randn(4, 2 * 100 + 7, device="cuda").to(dtype)[:, : 2 * 100]
+    gate, up = wide.float().chunk(2, -1)
+    torch.testing.assert_close(silu_mul(wide).float(), F.silu(gate) * up, rtol=8e-3, atol=8e-3)
+
+
 @pytest.fixture(scope="module")
 def graphed(random_llama):
     """The bf16 engine as it serves: compiled, decode in CUDA graphs."""

@@ -146,6 +146,22 @@ def test_a_ban_past_the_models_vocabulary_leaves_the_other_rows_alone(engine):
     assert engine.runner.launch(rows).tokens() == free
 
 
+def test_silu_mul_on_the_cpu_is_the_torch_expression_and_compiles_as_one_op():
+    """The batch-invariant path keeps F.silu(gate) * up bit for bit; compiled for dynamic
+    shapes (as the CUDA layers are), the op gives the same values at another row count."""
+    import torch.nn.functional as F
+
+    from finsieve.engine.activation import silu_mul
+
+    x = torch.randn(5, 2 * 96, dtype=torch.bfloat16)
+    gate, up = x.chunk(2, -1)
+    assert torch.equal(silu_mul(x), F.silu(gate) * up)
+    compiled = torch.compile(lambda t: silu_mul(t * 2), dynamic=True)
+    compiled(x)
+    y = torch.randn(9, 2 * 96, dtype=torch.bfloat16)
+    assert torch.equal(compiled(y), silu_mul(y * 2))
+
+
 def test_varlen_keys_are_each_chunks_slot_prefix():
     """The index the CUDA prefill gathers keys with: each chunk's slot, positions 0 to its end."""
     cache = torch.randn(4, 2, 16, 3)
