@@ -203,30 +203,39 @@ if triton is not None:
     def _greedy_kernel(Logits, Out, stride, vocab, BLOCK: tl.constexpr):
         """Row r's best token after NaN -> -inf, +inf -> float32's max (-1 when nothing is
         above -inf), and its first choice as torch.argmax makes it (a NaN wins, the first
-        one); ties go to the lowest id, as in torch's max and argmax."""
+        one); ties go to the lowest id, as in torch's max and argmax.
+
+        Each lane keeps its own best, first choice and first NaN over the row's blocks (a
+        strictly greater value replaces it, so a lane keeps its lowest id of a tie), and the
+        lanes are reduced once at the end: a reduction per block made the loop wait on each
+        block in turn (one program a row, 12 blocks at the issue's vocabulary)."""
         row = tl.program_id(0)
         at = Logits + row.to(tl.int64) * stride
-        best = tl.full([], float("-inf"), tl.float32)
-        token = tl.full([], -1, tl.int64)
-        top = tl.full([], float("-inf"), tl.float32)  # the first choice, NaN aside
-        first = tl.full([], 0, tl.int64)  # (a row of -inf: 0, as torch.argmax)
-        nan = tl.full([], -1, tl.int64)  # the first NaN's id
+        lane = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        token = tl.full([BLOCK], 0, tl.int32)
+        top = tl.full([BLOCK], float("-inf"), tl.float32)  # the first choice, NaN aside
+        first = tl.full([BLOCK], 0, tl.int32)
+        nan = tl.full([BLOCK], vocab, tl.int32)  # each lane's first NaN (vocab: none)
         for start in range(0, vocab, BLOCK):
-            ids = start + tl.arange(0, BLOCK)
+            ids = start + lane
             x = tl.load(at + ids, mask=ids < vocab, other=float("-inf")).to(tl.float32)
             is_nan = x != x
             safe = tl.where(is_nan, float("-inf"), tl.minimum(x, 3.4028234663852886e38))
-            block_best, block_at = tl.max(safe, 0, return_indices=True)
-            if block_best > best:  # strictly: an earlier block keeps a tie
-                best = block_best
-                token = (start + block_at).to(tl.int64)
-            block_top, top_at = tl.max(tl.where(is_nan, float("-inf"), x), 0, return_indices=True)
-            if block_top > top:
-                top = block_top
-                first = (start + top_at).to(tl.int64)
-            if nan < 0:
-                nan_at = tl.min(tl.where(is_nan, ids, vocab), 0)
-                if nan_at < vocab:
-                    nan = nan_at.to(tl.int64)
-        tl.store(Out + row, token)
-        tl.store(Out + tl.num_programs(0) + row, tl.where(nan >= 0, nan, first))
+            better = safe > best
+            best = tl.where(better, safe, best)
+            token = tl.where(better, ids, token)
+            higher = (x > top) & ~is_nan
+            top = tl.where(higher, x, top)
+            first = tl.where(higher, ids, first)
+            nan = tl.where(is_nan & (nan == vocab), ids, nan)
+        row_best = tl.max(best, 0)
+        row_token = tl.min(tl.where(best == row_best, token, vocab), 0)
+        row_top = tl.max(top, 0)
+        row_first = tl.min(tl.where(top == row_top, first, vocab), 0)
+        row_nan = tl.min(nan, 0)
+        row_token = tl.where(row_best > float("-inf"), row_token, -1)
+        row_first = tl.where(row_top > float("-inf"), row_first, 0)  # a row of -inf: 0, as torch.argmax
+        tl.store(Out + row, row_token.to(tl.int64))
+        tl.store(Out + tl.num_programs(0) + row,
+                 tl.where(row_nan < vocab, row_nan, row_first).to(tl.int64))
