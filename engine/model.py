@@ -5,8 +5,9 @@ so a step is visible in one screen. Each layer is two pure functions around the 
 write and attention: `attn_in` (residual add, RMSNorm, fused QKV matmul, bias; RoPE in
 prefill, while decode's attention rotates q and k itself, in its kernel on CUDA) and
 `attn_out` (output projection, residual add, RMSNorm, fused gate/up matmul, SiLU, down).
-On CUDA each is compiled once with `torch.compile` (it fuses the elementwise work; the
-same compiled code serves every layer and batch size) and the decode step
+On CUDA each is compiled once with `torch.compile` (it fuses the elementwise work, but
+for SiLU-and-multiply, a kernel of its own: activation.py; the same compiled code serves
+every layer and batch size) and the decode step
 is captured in CUDA graphs by the model runner. A single decoding row runs through GEMV
 kernels instead (`_decode_one`, gemv.py): at one row the kernels' count, not the bytes,
 was what was left above the bandwidth floor.

@@ -208,14 +208,14 @@ if triton is not None:
         Each lane keeps its own best, first choice and first NaN over the row's blocks (a
         strictly greater value replaces it, so a lane keeps its lowest id of a tie), and the
         lanes are reduced once at the end: a reduction per block made the loop wait on each
-        block in turn (one program a row, 12 blocks at the issue's vocabulary)."""
+        block in turn (one program a row, 12 blocks for a 49,152-token vocabulary)."""
         row = tl.program_id(0)
         at = Logits + row.to(tl.int64) * stride
         lane = tl.arange(0, BLOCK)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         token = tl.full([BLOCK], 0, tl.int32)
         top = tl.full([BLOCK], float("-inf"), tl.float32)  # the first choice, NaN aside
-        first = tl.full([BLOCK], 0, tl.int32)
+        first = tl.full([BLOCK], 0, tl.int32)  # (a row of -inf: 0, as torch.argmax)
         nan = tl.full([BLOCK], vocab, tl.int32)  # each lane's first NaN (vocab: none)
         for start in range(0, vocab, BLOCK):
             ids = start + lane
@@ -235,7 +235,6 @@ if triton is not None:
         row_first = tl.min(tl.where(top == row_top, first, vocab), 0)
         row_nan = tl.min(nan, 0)
         row_token = tl.where(row_best > float("-inf"), row_token, -1)
-        row_first = tl.where(row_top > float("-inf"), row_first, 0)  # a row of -inf: 0, as torch.argmax
         tl.store(Out + row, row_token.to(tl.int64))
         tl.store(Out + tl.num_programs(0) + row,
                  tl.where(row_nan < vocab, row_nan, row_first).to(tl.int64))

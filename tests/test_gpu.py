@@ -259,7 +259,8 @@ def test_the_greedy_kernel_picks_the_tokens_of_the_torch_sample(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_silu_mul_kernel_matches_the_torch_expression(dtype):
     """silu_mul's kernel against F.silu(gate) * up in float32: widths that are and are not
-    a multiple of its block, a strided input (a row-slice of a wider buffer), no rows."""
+    a multiple of its block, no rows, rows that are prefixes of wider rows, a transposed
+    input (copied first), and compiled for dynamic shapes as the layers call it."""
     import torch.nn.functional as F
 
     from finsieve.engine.activation import BLOCK, silu_mul
@@ -272,8 +273,14 @@ def test_the_silu_mul_kernel_matches_the_torch_expression(dtype):
         tolerance = 1e-6 if dtype == torch.float32 else 8e-3
         torch.testing.assert_close(silu_mul(x).float(), expected, rtol=tolerance, atol=tolerance)
     wide = torch.randn(4, 2 * 100 + 7, device="cuda").to(dtype)[:, : 2 * 100]
-    gate, up = wide.float().chunk(2, -1)
-    torch.testing.assert_close(silu_mul(wide).float(), F.silu(gate) * up, rtol=8e-3, atol=8e-3)
+    transposed = torch.randn(2 * 100, 5, device="cuda").to(dtype).t()
+    tall = torch.randn(37, 2 * 300, device="cuda").to(dtype)
+    for x in (wide, transposed, tall):
+        gate, up = x.float().chunk(2, -1)
+        torch.testing.assert_close(silu_mul(x).float(), F.silu(gate) * up, rtol=8e-3, atol=8e-3)
+    compiled = torch.compile(silu_mul, dynamic=True)
+    for x in (tall, tall[:20]):
+        assert torch.equal(compiled(x), silu_mul(x))
 
 
 @pytest.fixture(scope="module")
