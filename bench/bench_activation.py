@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gpu import _graph_ms, random_model
+from bench_gpu import _graph_ms
+from bench_one_row import build
 
 from finsieve.engine.activation import silu_mul
 from finsieve.engine.attention import chunk_groups
@@ -42,19 +43,22 @@ def compiled_attn_out(eps: float):
     return torch.compile(attn_out, dynamic=True)
 
 
+def decode_positions(rows: int) -> torch.Tensor:
+    """Each decode row's position, 128-768 (as bench_attention.py's rows)."""
+    return torch.tensor([128 + (i * 37) % 641 for i in range(rows)], device="cuda")
+
+
 def steps(model: CompactLM) -> dict:
     """label -> a decode step's call (inputs on the device)."""
     out = {}
     for rows in (64, 128):
         ids = torch.full((rows,), 1000, device="cuda")
-        positions = torch.tensor([128 + (i * 37) % 641 for i in range(rows)], device="cuda")
-        slots = torch.arange(rows, device="cuda")
+        positions, slots = decode_positions(rows), torch.arange(rows, device="cuda")
         out[f"{rows} rows"] = lambda ids=ids, p=positions, s=slots: model.decode(ids, p, s)
     rows, chunk = 128, 160
     n = rows + chunk
     ids = torch.full((n,), 1000, device="cuda")
-    positions = torch.cat([torch.tensor([128 + (i * 37) % 641 for i in range(rows)]),
-                           torch.arange(160, 160 + chunk)]).cuda()
+    positions = torch.cat([decode_positions(rows), torch.arange(160, 160 + chunk, device="cuda")])
     slots = torch.cat([torch.arange(rows), torch.full((chunk,), rows)]).cuda()
     heads = torch.cat([torch.arange(rows), torch.tensor([n - 1])]).cuda()
     groups = torch.from_numpy(chunk_groups(rows, [chunk], model.chunk_tokens, n)).cuda()
@@ -67,10 +71,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "activation.json")
     args = ap.parse_args()
-    model = CompactLM(random_model("cuda"), n_slots=SLOTS, max_len=MAX_LEN, own_weights=True)
-    for layer in range(len(model.layers)):
-        model.cache.k[layer].normal_()
-        model.cache.v[layer].normal_()
+    model = build(MAX_LEN, SLOTS)[0]
     model.set_compiled(True)
     variants = {"kernel": model._decode_out, "compiled": compiled_attn_out(model.eps)}
     calls = steps(model)

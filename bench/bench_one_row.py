@@ -51,11 +51,12 @@ VARIANTS = {  # label -> (the head's GEMV, the greedy sample the graph captures)
 START = 400  # the row's first position
 
 
-def build(max_len: int = 1024) -> tuple[CompactLM, int]:
-    """The compact model over random weights, and the bytes a one-row step reads."""
+def build(max_len: int = 1024, n_slots: int = 2) -> tuple[CompactLM, int]:
+    """The compact model over random weights (its cache random too), and the bytes a
+    one-row step reads."""
     hf = random_model("cuda")
     weights = step_bytes(hf)  # before CompactLM frees the unfused copies
-    model = CompactLM(hf, n_slots=2, max_len=max_len, own_weights=True)
+    model = CompactLM(hf, n_slots=n_slots, max_len=max_len, own_weights=True)
     for layer in range(len(model.layers)):
         model.cache.k[layer].normal_()
         model.cache.v[layer].normal_()
