@@ -335,12 +335,52 @@ def test_requests_are_refused_when_the_audit_trail_is_down(tight_server, tmp_pat
         valkey = next(json.loads(line)["pid"] for line in srv.log().splitlines()
                       if '"embedded valkey started"' in line)
         os.kill(valkey, signal.SIGKILL)
-        error = run_requests(srv.target, [tagged("down", "Say hi.", max_tokens=4)])["down"][-1]
+        events = run_requests(srv.target, [tagged("down", "Say hi.", max_tokens=4)])["down"]
+        # The engine runs while the record is written; nothing it made reached the client.
+        assert [e.WhichOneof("event") for e in events] == ["error"]
+        error = events[0]
         assert error.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert "audit trail is unavailable" in error.error.message
     finally:
         srv.stop()
     assert free_port()  # the server stopped cleanly enough to leave the machine usable
+
+
+def test_nothing_reaches_the_client_before_its_request_started_record_is_in(tight_server, tmp_path):
+    """The record is written while the engine runs the request: with Redis holding every
+    write for a second (rate limits off, the key verified before), the engine's events
+    wait for the record, and the trail has it before the answer's."""
+    from conftest import ChatStream
+
+    srv = gateway_of_its_own(tight_server, tmp_path, {"FINSIEVE_TENANT_REQUESTS_PER_S": "0",
+                                                      "FINSIEVE_TENANT_TOKENS_PER_MIN": "0"})
+    pause_s = 1.0
+
+    async def go() -> tuple[float, list]:
+        async with ChatStream(srv.target) as stream:
+            stream.send(tagged("warm", "Say hi.", max_tokens=1))  # the key, verified and cached
+            await stream.until_done("warm")
+            db = srv.valkey()
+            try:
+                await db.execute_command("CLIENT", "PAUSE", int(pause_s * 1000), "WRITE")
+                paused_until = time.monotonic() + pause_s
+            finally:
+                await db.aclose()
+            stream.send(tagged("held", "Name one kind of bond.", max_tokens=6))
+            await stream.next()
+            arrived = time.monotonic()
+            await stream.until_done("held")
+            return arrived - paused_until, [e for e in stream.events if e.request_id == "held"]
+
+    try:
+        after_pause, events = asyncio.run(go())
+        records = records_for(srv.audit_target, "held")
+    finally:
+        srv.stop()
+    assert after_pause >= -0.01  # the first event came once the writes were let through
+    assert events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_LENGTH
+    assert [r["type"] for r in records] == ["request_started", "request"]
+    assert int(events[-1].finished.audit_id) == records[0]["seq"]
 
 
 def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tight_server, tmp_path):
