@@ -53,6 +53,7 @@ CANCELS = Counter("finsieve_gateway_cancels", "Cancels from clients: forwarded t
                   "dropped (unknown, finished or already cancelled)", ["outcome"])
 STREAMS_ENDED = Counter("finsieve_streams_ended", "Chat streams the gateway ended", ["reason"])
 RETRY_AFTER_MS = 1000  # hint with RESOURCE_EXHAUSTED
+AUDIT_SERIAL_S = 10.0  # after a failed audit write, records are written before engines start
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         self._streams: set[_Stream] = set()
         self._per_peer: dict[str, int] = {}  # requests in flight per client connection
         self._background: set[asyncio.Task[None]] = set()  # audit appends, cache stores, cancels
+        self._audit_serial_until = 0.0  # see _record_and_submit
 
     async def Chat(
         self,
@@ -305,33 +307,46 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             internal.CopyFrom(req)
             internal.DiscardUnknownFields()  # only what the contract names reaches an engine
             internal.request_id = flight.internal_id
-            # The request_started record is written while the engine prepares and prefills
-            # (masking the prompt and the round trip to Redis were ~1.5 ms of a stream's
-            # first token on an H200 host); the engine's events are held until it is in.
-            flight.held = []
-            started = asyncio.create_task(self._audit("request_started", trace.started_record))
-            try:
-                flight.engine = await self.engines.submit(internal, relay)
-            finally:
-                try:
-                    trace.audit_id = await started
-                except BaseException:  # refused (fail closed): what the engine made is dropped
-                    if flight.engine is not None:
-                        await flight.engine.cancel(flight.internal_id)
-                    raise
-            held, flight.held = flight.held, None
-            for event in held:
-                relay(event)
+            await self._record_and_submit(internal, relay, trace, flight, stream)
         except RequestError as e:
-            flight.held = None
             relay(e.to_event(client_id))
-            return
         except Exception:  # fail this request, never the stream
             log.exception("request failed in the gateway")
-            flight.held = None
             relay(error_event(client_id, grpc.StatusCode.INTERNAL, "the gateway failed this request"))
+
+    async def _record_and_submit(self, internal: chat_pb2.ChatRequest, relay: Callable,
+                                 trace: Trace, flight: _InFlight, stream: _Stream) -> None:
+        """The request_started record, and the request on an engine. While the trail is
+        healthy, both at once (masking the prompt and the round trip to Redis were ~1.5 ms
+        of a stream's first token on an H200 host): the engine's events are held until the
+        record is in, and a refusal (fail closed) cancels the engine's request and drops
+        what it made. For AUDIT_SERIAL_S after a failed write, the record first: a trail
+        that is down must not cost the engines the work of the requests it refuses."""
+        if time.monotonic() < self._audit_serial_until:
+            trace.audit_id = await self._audit("request_started", trace.started_record)
+            await self._submit_to_engine(internal, relay, flight, stream)
             return
-        if flight.cancelled or stream.closed:
+        flight.held = []
+        recording = asyncio.ensure_future(self._audit("request_started", trace.started_record))
+        try:
+            try:
+                await self._submit_to_engine(internal, relay, flight, stream)
+            finally:  # shielded: a record half-written when cancelled would be neither in nor out
+                trace.audit_id = await asyncio.shield(recording)
+        except BaseException:
+            flight.held = None  # never streamed
+            if flight.engine is not None and not flight.cancelled:
+                flight.cancelled = True
+                await flight.engine.cancel(flight.internal_id)
+            raise
+        held, flight.held = flight.held, None
+        for event in held:
+            relay(event)
+
+    async def _submit_to_engine(self, internal: chat_pb2.ChatRequest, relay: Callable,
+                                flight: _InFlight, stream: _Stream) -> None:
+        flight.engine = await self.engines.submit(internal, relay)
+        if flight.cancelled or stream.closed:  # asked for while it was being submitted
             flight.cancelled = True
             await flight.engine.cancel(flight.internal_id)
 
@@ -389,6 +404,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         try:
             return await self.audit.append(kind, await asyncio.to_thread(build))
         except AuditError as e:
+            self._audit_serial_until = time.monotonic() + AUDIT_SERIAL_S
             log.error("audit trail unavailable", error=str(e), fail_open=self.audit_fail_open)
             if not self.audit_fail_open:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,

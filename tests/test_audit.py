@@ -346,41 +346,117 @@ def test_requests_are_refused_when_the_audit_trail_is_down(tight_server, tmp_pat
     assert free_port()  # the server stopped cleanly enough to leave the machine usable
 
 
+NO_RATE_LIMITS = {"FINSIEVE_TENANT_REQUESTS_PER_S": "0", "FINSIEVE_TENANT_TOKENS_PER_MIN": "0"}
+ENGINE_TOKENS = "finsieve_generated_tokens_total"
+
+
+async def _held_up(srv: Server, tight_server, stream, request, pause_s: float = 2.0):
+    """Send `request` while the gateway's Valkey holds every write for pause_s (under the
+    gateway's 3 s socket timeout): how long after the pause its first event came (negative:
+    before), the engine's generated tokens just before the pause ended less those at its
+    start, and the request's events."""
+    await asyncio.to_thread(_engine_idle, tight_server)
+    db = srv.valkey()
+    try:
+        before = await asyncio.to_thread(tight_server.metric, ENGINE_TOKENS)
+        await db.execute_command("CLIENT", "PAUSE", int(pause_s * 1000), "WRITE")
+        paused_until = time.monotonic() + pause_s
+    finally:
+        await db.aclose()
+    stream.send(request)
+    arrived: list[float] = []
+    first = asyncio.ensure_future(stream.next())
+    first.add_done_callback(lambda _: arrived.append(time.monotonic()))
+    await asyncio.sleep(max(paused_until - 0.3 - time.monotonic(), 0))
+    during = await asyncio.to_thread(tight_server.metric, ENGINE_TOKENS) - before
+    await first
+    events = (await stream.until_done(request.request_id))[request.request_id]
+    return arrived[0] - paused_until, during, events
+
+
+def _engine_idle(tight_server) -> None:
+    """Until the engine holds no request and its token count has settled (a request's last
+    token may be counted just after its events left)."""
+    deadline = time.monotonic() + 30
+    counted = -1.0
+    while time.monotonic() < deadline:
+        busy = any(tight_server.metric(f"finsieve_engine_{queue}") for queue in ("running", "waiting"))
+        now = tight_server.metric(ENGINE_TOKENS)
+        if not busy and now == counted:
+            return
+        counted = now
+        time.sleep(0.2)
+
+
+def _records(srv: Server, request_id: str, n: int) -> list[dict]:
+    """The request's records once there are n (the final one is written after its last event)."""
+    deadline = time.monotonic() + 30
+    while len(records := records_for(srv.audit_target, request_id)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return records
+
+
 def test_nothing_reaches_the_client_before_its_request_started_record_is_in(tight_server, tmp_path):
-    """The record is written while the engine runs the request: with Redis holding every
-    write for a second (rate limits off, the key verified before), the engine's events
-    wait for the record, and the trail has it before the answer's."""
+    """The record is written while the engine runs the request: with Valkey holding every
+    write (rate limits off, the key verified before), the engine generates meanwhile, its
+    events wait for the record, and the trail has it before the answer's."""
     from conftest import ChatStream
 
-    srv = gateway_of_its_own(tight_server, tmp_path, {"FINSIEVE_TENANT_REQUESTS_PER_S": "0",
-                                                      "FINSIEVE_TENANT_TOKENS_PER_MIN": "0"})
-    pause_s = 1.0
+    srv = gateway_of_its_own(tight_server, tmp_path, NO_RATE_LIMITS)
 
-    async def go() -> tuple[float, list]:
+    async def go():
         async with ChatStream(srv.target) as stream:
             stream.send(tagged("warm", "Say hi.", max_tokens=1))  # the key, verified and cached
             await stream.until_done("warm")
-            db = srv.valkey()
-            try:
-                await db.execute_command("CLIENT", "PAUSE", int(pause_s * 1000), "WRITE")
-                paused_until = time.monotonic() + pause_s
-            finally:
-                await db.aclose()
-            stream.send(tagged("held", "Name one kind of bond.", max_tokens=6))
-            await stream.next()
-            arrived = time.monotonic()
-            await stream.until_done("held")
-            return arrived - paused_until, [e for e in stream.events if e.request_id == "held"]
+            return await _held_up(srv, tight_server, stream,
+                                  tagged("held", "Name one kind of bond.", max_tokens=6))
 
     try:
-        after_pause, events = asyncio.run(go())
-        records = records_for(srv.audit_target, "held")
+        after_pause, during, events = asyncio.run(go())
+        records = _records(srv, "held", 2)
     finally:
         srv.stop()
-    assert after_pause >= -0.01  # the first event came once the writes were let through
+    assert during > 0  # the engine worked on it while its record was held up
+    assert after_pause >= -0.01  # and nothing came before the writes were let through
     assert events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_LENGTH
     assert [r["type"] for r in records] == ["request_started", "request"]
     assert int(events[-1].finished.audit_id) == records[0]["seq"]
+
+
+def test_after_a_failed_audit_write_records_are_written_before_engines_start(tight_server, tmp_path):
+    """A trail that fails must not cost the engines the work of the requests it refuses: for
+    a while after a failed write the record goes in first, then the engine starts."""
+    from conftest import ChatStream
+
+    srv = gateway_of_its_own(tight_server, tmp_path, NO_RATE_LIMITS)
+
+    async def go():
+        async with ChatStream(srv.target) as stream:
+            stream.send(tagged("warm", "Say hi.", max_tokens=1))
+            await stream.until_done("warm")
+            db = srv.valkey()
+            try:
+                await db.config_set("maxmemory", 1)  # every write refused (OOM): the record too
+                stream.send(tagged("refused", "Say hi.", max_tokens=4))
+                refused = (await stream.until_done("refused"))["refused"]
+            finally:
+                await db.config_set("maxmemory", 0)
+                await db.aclose()
+            held = await _held_up(srv, tight_server, stream,
+                                  tagged("after", "Name one kind of bond.", max_tokens=6))
+            return refused, held
+
+    try:
+        refused, (after_pause, during, events) = asyncio.run(go())
+        records = _records(srv, "after", 2)
+    finally:
+        srv.stop()
+    assert [e.WhichOneof("event") for e in refused] == ["error"]
+    assert refused[0].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert during == 0  # the engine had not started it while its record was held up
+    assert after_pause >= -0.01
+    assert events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_LENGTH
+    assert [r["type"] for r in records] == ["request_started", "request"]
 
 
 def test_with_audit_fail_open_a_redis_failure_is_served_uncached(tight_server, tmp_path):
