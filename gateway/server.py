@@ -73,7 +73,8 @@ class _InFlight:
     cancelled: bool = False  # a cancel was asked for (sent once the engine has it)
     done: bool = False  # its terminal event was delivered: anything after it is dropped
     # The engine's events while the request_started record is being written (None: relayed
-    # as they come): nothing reaches the client before that record is in the trail.
+    # as they come): nothing reaches the client before that record is in the trail. One
+    # Redis write long (its socket timeout at most), so one answer's events at most.
     held: list[chat_pb2.ChatServerMessage] | None = None
 
 
