@@ -336,9 +336,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 trace.audit_id = await asyncio.shield(recording)
         except BaseException:
             flight.held = None  # never streamed
-            if flight.engine is not None and not flight.cancelled:
-                flight.cancelled = True
-                await flight.engine.cancel(flight.internal_id)
+            await self._cancel_all([flight])  # once: not again after a client's cancel
             raise
         held, flight.held = flight.held, None
         for event in held:

@@ -22,7 +22,18 @@ from finsieve.gateway.audit_verify import verify
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
 
-from conftest import Server, dev_key, free_port, run_requests, start_server, tagged, text_of, wait_cached
+from conftest import (
+    ChatStream,
+    Server,
+    dev_key,
+    free_port,
+    run_requests,
+    start_server,
+    tagged,
+    text_of,
+    wait_cached,
+    wait_for,
+)
 
 KEY = b"test-key"
 
@@ -390,18 +401,14 @@ def _engine_idle(tight_server) -> None:
 
 def _records(srv: Server, request_id: str, n: int) -> list[dict]:
     """The request's records once there are n (the final one is written after its last event)."""
-    deadline = time.monotonic() + 30
-    while len(records := records_for(srv.audit_target, request_id)) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return records
+    wait_for(lambda: len(records_for(srv.audit_target, request_id)) >= n, every=0.05)
+    return records_for(srv.audit_target, request_id)
 
 
 def test_nothing_reaches_the_client_before_its_request_started_record_is_in(tight_server, tmp_path):
     """The record is written while the engine runs the request: with Valkey holding every
     write (rate limits off, the key verified before), the engine generates meanwhile, its
     events wait for the record, and the trail has it before the answer's."""
-    from conftest import ChatStream
-
     srv = gateway_of_its_own(tight_server, tmp_path, NO_RATE_LIMITS)
 
     async def go():
@@ -426,8 +433,6 @@ def test_nothing_reaches_the_client_before_its_request_started_record_is_in(tigh
 def test_after_a_failed_audit_write_records_are_written_before_engines_start(tight_server, tmp_path):
     """A trail that fails must not cost the engines the work of the requests it refuses: for
     a while after a failed write the record goes in first, then the engine starts."""
-    from conftest import ChatStream
-
     srv = gateway_of_its_own(tight_server, tmp_path, NO_RATE_LIMITS)
 
     async def go():
@@ -513,8 +518,6 @@ def test_failed_requests_are_audited_and_verify_exits_1_at_a_broken_record(tmp_p
 def test_a_gateway_records_a_pack_its_engine_loaded_before_they_met(tight_server, tmp_path):
     """A gateway that reaches an engine after the engine reloaded its rules records the pack
     in force (it used to take the engine's count then as its baseline: a change never told)."""
-    from conftest import wait_for
-
     loaded = tight_server.metric("finsieve_rule_pack_reloads_total", result="loaded")
     (tight_server.rules / "met-later.yaml").write_text(
         "rules:\n  - id: met-later\n    description: d\n    kind: literal\n"
