@@ -14,17 +14,18 @@ in the same run. Three measures, each one CUDA graph a step as the engine replay
                read step N's token (inputs staged, the graph, the copy of the token back)
 
 for the tree and for what it replaced, in the same run, round-robin (the median of
-`--rounds`): `before`, the head through cuBLAS after eager norm kernels and the greedy
-sample as torch ops; `head`, the final norm inside the head's GEMV; `tree`, also the
-greedy sample in one kernel (sampler.sample_greedy). Columns `repeats`: a variant's runner
-loop gives the same 300 tokens in every round; `= previous`: the same as the variant above
-it (the head's GEMV sums in another order than cuBLAS, so a near-tie may go the other
-way; the greedy kernel changes no token: `tree` must equal `head`). Then, once, the
-tree's runner loop with a ban list on the row (the rules' exact mask: the sample then runs
-after the graph), and the greedy kernel against the torch ops it replaced at 1-256 rows
-(it serves every decode and mixed graph). The vocabulary is the issue's (49,152: the
-default model's tokenizer); a larger one makes the head and the sample weigh more. Prints
-tables and writes JSON (default bench/results/one_row.json).
+`--rounds`): `ops`, the graph's head as torch ops (the optimistic row's token gathered,
+clamped and selected, its embedding, its length: six kernels) and the greedy sample's token
+copied into the next step's feed by a kernel of its own; `tree`, both done in the graph's
+kernels (model_runner.embed_rows, sampler.sample_greedy with `prev`). Columns `repeats`: a
+variant's runner loop gives the same 300 tokens in every round; `= previous`: the same as
+the variant above it (they must be: the same values reach the same kernels). Then, once,
+the tree's runner loop with a ban list on the row (the rules' exact mask: the sample then
+runs after the graph), and the greedy kernel against the torch ops it replaced at 1-256
+rows (it serves every decode and mixed graph), with other blocks and warps than
+GREEDY_BLOCK and 8. The vocabulary is the issue's (49,152: the default model's
+tokenizer); a larger one makes the head and the sample weigh more. Prints tables and writes
+JSON (default bench/results/one_row.json).
 """
 
 from __future__ import annotations
@@ -38,16 +39,31 @@ from pathlib import Path
 import torch
 from bench_gpu import phase_device, random_model, step_bytes
 
+from finsieve.engine import sampler
 from finsieve.engine.model import CompactLM
-from finsieve.engine.model_runner import ModelRunner, StepRow, _captured
+from finsieve.engine.model_runner import ModelRunner, StepRow, _captured, embed_rows, optimistic_ids
 from finsieve.engine.sampler import sample, sample_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {  # label -> (the head's GEMV, the greedy sample the graph captures)
-    "before": (False, lambda logits: sample(logits, None, None)),
-    "head": (True, lambda logits: sample(logits, None, None)),
-    "tree": (True, sample_greedy),
+
+
+def ops_embed_rows(inputs, prev, embed):
+    """The graph's head before embed_rows: six torch kernels."""
+    return embed[optimistic_ids(inputs, prev)], inputs[1] + 1
+
+
+def copied_greedy(logits, prev):
+    """The greedy kernel, then its tokens copied into prev by a kernel of their own."""
+    out = sample_greedy(logits)
+    prev[: out.shape[1]].copy_(out[0])
+    return out
+
+
+VARIANTS = {  # label -> (the graph's head, the greedy sample it captures)
+    "ops": (ops_embed_rows, copied_greedy),
+    "tree": (embed_rows, sample_greedy),
 }
+GREEDY_LAUNCHES = [(sampler.GREEDY_BLOCK, 8), (8192, 8), (8192, 16), (2048, 4), (4096, 16)]
 START = 400  # the row's first position
 
 
@@ -93,32 +109,41 @@ def runner_loop(runner: ModelRunner, bans: int = 0, steps: int = 300) -> tuple[f
     return 1000 * statistics.median(times[20:]), tokens
 
 
-def measure(model: CompactLM, greedy) -> dict:
-    """The three measures of one variant (model.gemv_head set by the caller)."""
+def measure(model: CompactLM, head, greedy) -> dict:
+    """The three measures of one variant."""
     ids, positions, slots = (torch.tensor([v], device="cuda") for v in (1000, 500, 0))
     forward = _captured(lambda: model.decode(ids, positions, slots), None)[0]
     runner = ModelRunner(model, torch.device("cuda"), graphs=False)
-    runner.graphs = graphs = _graphs(model, greedy)
+    runner.graphs = graphs = _graphs(model, head, greedy)
     inputs = torch.tensor([[1000], [500], [0], [1], [0]], device="cuda")  # optimistic
     loop_ms, tokens = runner_loop(runner)
     return {"forward": replay_ms(forward.replay), "graph": replay_ms(lambda: graphs.run(inputs, 1)),
             "runner": loop_ms, "tokens": tokens}
 
 
-def _graphs(model: CompactLM, greedy):
+def _graphs(model: CompactLM, head, greedy):
     from finsieve.engine.model_runner import DecodeGraphs
 
     graphs = DecodeGraphs(model, 1)
-    graphs.greedy = greedy
+    graphs.embed_rows, graphs.greedy = head, greedy
     graphs.capture()
     return graphs
 
 
 def greedy_us(rows: int) -> dict[str, float]:
-    """Microseconds of the greedy sample of `rows` rows of logits, each way, from a graph."""
+    """Microseconds of the greedy sample of `rows` rows of logits, each way, from a graph:
+    the torch ops, and the kernel per (block, warps) of GREEDY_LAUNCHES."""
     x = torch.randn(rows, 49152, device="cuda", dtype=torch.bfloat16)
-    ways = {"torch ops": lambda: sample(x, None, None), "kernel": lambda: sample_greedy(x)}
-    assert torch.equal(ways["kernel"](), ways["torch ops"]())
+    ways = {"torch ops": lambda: sample(x, None, None)}
+    for block, warps in GREEDY_LAUNCHES:
+        def kernel(block=block, warps=warps):
+            out = torch.empty(2, rows, dtype=torch.long, device="cuda")
+            sampler._greedy_kernel[(rows,)](x, out, out, x.stride(0), x.shape[1], PREV=False,
+                                            BLOCK=block, num_warps=warps, PDL=False)
+            return out
+        ways[f"{block}/{warps}"] = kernel
+    expected = ways["torch ops"]()
+    assert all(torch.equal(fn(), expected) for fn in ways.values())
     return {way: 1000 * replay_ms(_captured(fn, None)[0].replay) for way, fn in ways.items()}
 
 
@@ -136,12 +161,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {label: [] for label in VARIANTS}
     for _ in range(args.rounds):
         for label, (head, greedy) in VARIANTS.items():
-            model.gemv_head = head
-            runs[label].append(measure(model, greedy))
+            runs[label].append(measure(model, head, greedy))
     print(f"copy {bandwidth / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB: floor "
           f"{floor_ms:.3f} ms/step, {1000 / floor_ms:.0f} tokens/s")
     print(f"{'variant':<8} {'forward ms':>10} {'graph ms':>9} {'runner ms':>10} {'of floor':>9} "
-          f"{'tok/s':>6} {'vs before':>10} repeats = previous")
+          f"{'tok/s':>6} {'vs ops':>10} repeats = previous")
     rows, base, previous = [], None, None
     for label, results in runs.items():
         ms = {k: statistics.median(r[k] for r in results) for k in ("forward", "graph", "runner")}
@@ -160,9 +184,10 @@ def main() -> None:
     for n, ms in banned.items():
         print(f"tree, runner loop with {n} bans: {ms:.3f} ms ({floor_ms / ms:.1%} of floor)")
     greedy = {n: greedy_us(n) for n in (1, 16, 64, 128, 256)}
-    print(f"{'greedy sample, rows':<20} {'torch ops us':>12} {'kernel us':>10}")
+    print("greedy sample, us from a graph: rows, torch ops, kernel by block/warps")
+    print(f"{'rows':<6}" + "".join(f"{way:>11}" for way in greedy[1]))
     for n, us in greedy.items():
-        print(f"{n:<20} {us['torch ops']:>12.1f} {us['kernel']:>10.1f}")
+        print(f"{n:<6}" + "".join(f"{t:>11.1f}" for t in us.values()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                     "copy_bandwidth_bytes_s": bandwidth,

@@ -175,11 +175,16 @@ class CompactLM:
         forward of its own read them again), each attending to the keys the rows before it
         in its chunk bring; groups (attention.chunk_groups, by chunk_tokens): the rows that
         attend together, a chunk's reading their keys once."""
-        if self.gemv and ids.shape[0] == 1 and heads is None:
-            return self._decode_one(ids, positions, slots)
-        x = self.embed[ids]
+        return self.decode_embedded(self.embed[ids], positions, positions + 1, slots, heads, groups)
+
+    @torch.inference_mode()
+    def decode_embedded(self, x: Tensor, positions: Tensor, lengths: Tensor, slots: Tensor,
+                        heads: Tensor | None = None, groups: Tensor | None = None) -> Tensor:
+        """decode from the rows' embeddings x (rows, hidden) and lengths (positions + 1):
+        the decode graphs gather both in one kernel of their own."""
+        if self.gemv and x.shape[0] == 1 and heads is None:
+            return self._decode_one(x[0], positions, lengths, slots)
         delta = torch.zeros_like(x)
-        lengths = positions + 1
         # The attention rotates q and k (in its kernel on CUDA: no RoPE kernels of its own)
         rope = (self.cos, self.sin)
         for i, layer in enumerate(self.layers):
@@ -193,11 +198,10 @@ class CompactLM:
         x = x + delta if heads is None else x[heads] + delta[heads]
         return self._head(x, self._tiled_linear if self.row_tile else F.linear)
 
-    def _decode_one(self, ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        """decode for one row: GEMV kernels and the attention."""
+    def _decode_one(self, x: Tensor, positions: Tensor, lengths: Tensor, slots: Tensor) -> Tensor:
+        """decode for one row: GEMV kernels and the attention; x (hidden,), the residual
+        stream, is updated in place."""
         nh, nkv, hd, eps = self.n_heads, self.n_kv_heads, self.head_dim, self.eps
-        x = self.embed[ids][0]  # the residual stream, updated in place
-        lengths = positions + 1
         for i, layer in enumerate(self.layers):
             qkv = gemv.norm_qkv_rope(x, layer.attn_norm, eps, layer.wqkv, layer.bqkv,
                                      self.cos, self.sin, positions, (nh + nkv) * hd)

@@ -28,9 +28,15 @@ import structlog
 import torch
 from torch import Tensor
 
-from .attention import VarlenKeys, chunk_groups
+from .attention import VarlenKeys, chunk_groups, gdc_launch_dependents, gdc_wait, overlapped
 from .model import prefill_arrays
 from .sampler import BanIndex, DeviceParams, SamplingRows, sample, sample_greedy
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch ships no Triton
+    triton = None
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +106,8 @@ class DecodeGraphs:
         self.heads = torch.zeros(max_rows, dtype=torch.long, device=model.device)
         self.groups = torch.zeros(2, most, dtype=torch.long, device=model.device)
         self.prev = torch.zeros(max_rows, dtype=torch.long, device=model.device)
-        self.greedy = sample_greedy  # captured in each graph (bench_one_row times torch's ops)
+        # captured in each graph (bench_one_row times them against the torch ops they replaced)
+        self.embed_rows, self.greedy = embed_rows, sample_greedy
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
 
     def bucket(self, rows: int, mixed: bool = False) -> int:
@@ -122,13 +129,10 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _step(self, size: int, heads: Tensor | None, groups: Tensor | None) -> tuple[Tensor, Tensor]:
-        ids, positions, slots, ahead, prev_row = self.inputs[:, :size]
-        # A row that had nothing allowed sampled -1: fed as token 0, its result is dropped.
-        ids = torch.where(ahead.bool(), self.prev[prev_row].clamp(min=0), ids)
-        logits = self.model.decode(ids, positions, slots, heads, groups)
-        greedy = self.greedy(logits)
-        self.prev[: greedy.shape[1]].copy_(greedy[0])
-        return logits, greedy
+        inputs = self.inputs[:, :size]
+        x, lengths = self.embed_rows(inputs, self.prev, self.model.embed)
+        logits = self.model.decode_embedded(x, inputs[1], lengths, inputs[2], heads, groups)
+        return logits, self.greedy(logits, self.prev)
 
     def run(self, inputs: Tensor, rows: int, heads: Tensor | None = None,
             groups: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -144,6 +148,52 @@ class DecodeGraphs:
         graph, (logits, greedy) = self._graphs[size, heads is not None]
         graph.replay()
         return logits[:rows], greedy[:, :rows]
+
+
+def optimistic_ids(inputs: Tensor, prev: Tensor) -> Tensor:
+    """A decode step's token ids from its inputs (5, rows) as _decode_inputs lays them out:
+    an optimistic row's is the previous step's sample prev[previous row]; one that had
+    nothing allowed sampled -1: fed as token 0, its result is dropped."""
+    ids, _, _, ahead, prev_row = inputs
+    return torch.where(ahead.bool(), prev[prev_row].clamp(min=0), ids)
+
+
+def embed_rows(inputs: Tensor, prev: Tensor, embed: Tensor) -> tuple[Tensor, Tensor]:
+    """A decode step's rows as the model takes them: each row's embedding (of its
+    optimistic_ids) and its length, positions + 1. On CUDA one kernel: as torch ops, the
+    head of every decode graph was six kernels (at one row ~1% of a step, bench_one_row.py)."""
+    if not inputs.is_cuda or triton is None:
+        return embed[optimistic_ids(inputs, prev)], inputs[1] + 1
+    rows, hidden = inputs.shape[1], embed.shape[1]
+    assert inputs.stride(1) == 1 and embed.is_contiguous()
+    x = torch.empty(rows, hidden, device=embed.device, dtype=embed.dtype)
+    lengths = torch.empty(rows, device=embed.device, dtype=torch.long)
+    _embed_rows_kernel[(rows,)](inputs, inputs.stride(0), prev, embed, x, lengths, hidden,
+                                embed.shape[0], BLOCK=min(triton.next_power_of_2(hidden), 4096),
+                                **overlapped(embed))
+    return x, lengths
+
+
+if triton is not None:
+
+    @triton.jit
+    def _embed_rows_kernel(Inputs, stride, Prev, Embed, X, Lengths, hidden, vocab,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0)
+        ahead = tl.load(Inputs + 3 * stride + row) != 0
+        previous = tl.load(Prev + tl.load(Inputs + 4 * stride + row))  # row 0 when not ahead
+        token = tl.where(ahead, tl.maximum(previous, 0), tl.load(Inputs + row))
+        # Every id is the tokenizer's or the sampler's, below vocab: the bound only keeps the
+        # read inside the table whatever a buffer holds.
+        token = tl.minimum(tl.maximum(token, 0), vocab - 1)
+        tl.store(Lengths + row, tl.load(Inputs + stride + row) + 1)
+        for h0 in range(0, hidden, BLOCK):
+            h = h0 + tl.arange(0, BLOCK)
+            tl.store(X + row.to(tl.int64) * hidden + h,
+                     tl.load(Embed + token * hidden + h, mask=h < hidden), mask=h < hidden)
 
 
 class PrefillGraphs:
@@ -424,14 +474,10 @@ class ModelRunner:
         logit_rows = len(rows) if heads is None else sampled
         if self.graphs is not None:
             return self.graphs.run(inputs, logit_rows, heads, groups)
-        if any(not r.tokens for r in rows):
-            # Optimistic rows: the previous step's sample, on the device. A row that had
-            # nothing allowed sampled -1: fed as token 0, its result is dropped anyway.
-            ahead = self._prev[inputs[4]].clamp(min=0)
-            inputs[0] = torch.where(inputs[3].bool(), ahead, inputs[0])
-        if heads is None:
-            return self.model.decode(inputs[0], inputs[1], inputs[2]), None
-        return self.model.decode(inputs[0], inputs[1], inputs[2], heads, groups)[:logit_rows], None
+        ids = optimistic_ids(inputs, self._prev) if any(not r.tokens for r in rows) else inputs[0]
+        if heads is None:  # (the transformers fallback takes no heads)
+            return self.model.decode(ids, inputs[1], inputs[2]), None
+        return self.model.decode(ids, inputs[1], inputs[2], heads, groups)[:logit_rows], None
 
     def warm_up(self) -> None:
         """A prefill and an eager decode on the scratch slot: a kernel the device refuses

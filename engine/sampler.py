@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .attention import gdc_launch_dependents, gdc_wait, overlapped
 from .sequence import MIN_TEMPERATURE
 
 try:
@@ -159,17 +160,23 @@ def sample(logits: Tensor, rows: SamplingRows | DeviceParams | None, bans: Tenso
     return torch.stack([token, first])
 
 
-def sample_greedy(logits: Tensor) -> Tensor:
-    """sample(logits, None, None), the same tokens: on CUDA one kernel that reads the logits
+def sample_greedy(logits: Tensor, prev: Tensor | None = None) -> Tensor:
+    """sample(logits, None, None), the same tokens, also written to prev[: rows] when given
+    (the decode graphs' feed of the next step). On CUDA one kernel that reads the logits
     once, where the torch ops wrote and read them as float32 four times in eight kernels
     (H200, from a graph: 10 us against 35 at one row, 12 against 69 at 128; bench_one_row.py)."""
     if not logits.is_cuda or triton is None:
-        return sample(logits, None, None)
+        out = sample(logits, None, None)
+        if prev is not None:
+            prev[: out.shape[1]].copy_(out[0])
+        return out
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel reads each row's logits as one span"
+    assert prev is None or (prev.numel() >= rows and prev.dtype == torch.long)
     out = torch.empty(2, rows, dtype=torch.long, device=logits.device)
-    _greedy_kernel[(rows,)](logits, out, logits.stride(0), vocab, BLOCK=GREEDY_BLOCK,
-                            num_warps=8)
+    _greedy_kernel[(rows,)](logits, out, prev if prev is not None else out, logits.stride(0),
+                            vocab, PREV=prev is not None, BLOCK=GREEDY_BLOCK, num_warps=8,
+                            **overlapped(logits))
     return out
 
 
@@ -200,7 +207,8 @@ def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _greedy_kernel(Logits, Out, stride, vocab, BLOCK: tl.constexpr):
+    def _greedy_kernel(Logits, Out, Prev, stride, vocab, PREV: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
         """Row r's best token after NaN -> -inf, +inf -> float32's max (-1 when nothing is
         above -inf), and its first choice as torch.argmax makes it (a NaN wins, the first
         one); ties go to the lowest id, as in torch's max and argmax.
@@ -209,6 +217,9 @@ if triton is not None:
         strictly greater value replaces it, so a lane keeps its lowest id of a tie), and the
         lanes are reduced once at the end: a reduction per block made the loop wait on each
         block in turn (one program a row, 12 blocks for a 49,152-token vocabulary)."""
+        if PDL:  # the logits come from the kernel before
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         at = Logits + row.to(tl.int64) * stride
         lane = tl.arange(0, BLOCK)
@@ -236,5 +247,7 @@ if triton is not None:
         row_nan = tl.min(nan, 0)
         row_token = tl.where(row_best > float("-inf"), row_token, -1)
         tl.store(Out + row, row_token.to(tl.int64))
+        if PREV:
+            tl.store(Prev + row, row_token.to(tl.int64))
         tl.store(Out + tl.num_programs(0) + row,
                  tl.where(row_nan < vocab, row_nan, row_first).to(tl.int64))

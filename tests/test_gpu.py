@@ -254,6 +254,9 @@ def test_the_greedy_kernel_picks_the_tokens_of_the_torch_sample(dtype):
     x[8] = x[8].round()  # many ties below the best
     assert torch.equal(sample_greedy(x), sample(x, None, None))
     assert torch.equal(sample_greedy(x[:1]), sample(x[:1], None, None))
+    prev = torch.full((70,), -7, device="cuda")  # the decode graphs' feed: the tokens, no more
+    assert torch.equal(sample_greedy(x, prev), sample(x, None, None))
+    assert torch.equal(prev[:64], sample(x, None, None)[0]) and (prev[64:] == -7).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -315,29 +318,36 @@ def test_graph_replay_equals_the_eager_step(graphed, rows):
     assert torch.equal(greedy, sample(eager, None, None))  # the graph's own greedy sample
 
 
-def test_a_graphed_step_feeds_optimistic_rows_and_samples_as_the_eager_runner(graphed, monkeypatch):
-    """Two launches through the runner: the second's rows take the first's samples on the
-    device (optimistic rows) and the graph samples greedily itself; the same tokens as the
-    runner without graphs (the eager gather and sample), and a banned token is masked."""
+@pytest.mark.parametrize("rows", [1, 4])  # buckets; 1: the GEMVs
+def test_a_graphed_step_feeds_optimistic_rows_and_samples_as_the_eager_runner(graphed, monkeypatch, rows):
+    """Three launches through the runner: the later ones' rows take the step before's samples
+    on the device (optimistic rows) and the graph samples greedily itself; the same tokens
+    as the runner without graphs (the eager gather and sample), and a banned token is
+    masked (its step's sample fed to the next by the runner, not the graph)."""
     from finsieve.engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
+    last = rows - 1
 
-    def two_steps(bans: list[int]) -> list[list[tuple[int, int]]]:  # 4 rows: a bucket's shape
-        model.prefill([(s, 0, list(range(200 + s, 230 + s))) for s in range(4)], [False] * 4)
-        first = runner.launch([StepRow(s, 30, [100 + s]) for s in range(4)])
-        second = runner.launch([*(StepRow(s, 31, [], prev=s) for s in range(3)),
-                                StepRow(3, 31, [], prev=3, bans=bans)])
-        return [first.tokens(), second.tokens()]
+    def three_steps(bans: list[int]) -> list[list[tuple[int, int]]]:
+        model.prefill([(s, 0, list(range(200 + s, 230 + s))) for s in range(rows)], [False] * rows)
+        steps = [runner.launch([StepRow(s, 30, [100 + s]) for s in range(rows)])]
+        for position in (31, 32):
+            steps.append(runner.launch([*(StepRow(s, position, [], prev=s) for s in range(last)),
+                                        StepRow(last, position, [], prev=last,
+                                                bans=bans if position == 31 else ())]))
+        return [step.tokens() for step in steps]
 
-    graphed_tokens = two_steps([])
+    graphed_tokens = three_steps([])
     monkeypatch.setattr(runner, "graphs", None)
-    assert two_steps([]) == graphed_tokens
+    assert three_steps([]) == graphed_tokens
+    banned = graphed_tokens[1][last][0]
+    eager_masked = three_steps([banned])
     monkeypatch.undo()
-    banned = graphed_tokens[1][3][0]
-    masked = two_steps([banned])
-    assert masked[1][:3] == graphed_tokens[1][:3] and masked[1][3][0] != banned
-    assert masked[1][3][1] == banned  # the first choice, before the mask
+    masked = three_steps([banned])
+    assert masked == eager_masked
+    assert masked[1][:last] == graphed_tokens[1][:last] and masked[1][last][0] != banned
+    assert masked[1][last][1] == banned  # the first choice, before the mask
 
 
 def test_prefill_graph_replay_matches_the_eager_prefill(graphed):
