@@ -23,7 +23,7 @@ the variant above it (they must be: the same values reach the same kernels). The
 the tree's runner loop with a ban list on the row (the rules' exact mask: the sample then
 runs after the graph), and the greedy kernel against the torch ops it replaced at 1-256
 rows (it serves every decode and mixed graph), with other blocks and warps than
-GREEDY_BLOCK and 8. The vocabulary is the issue's (49,152: the default model's
+GREEDY_BLOCK and GREEDY_WARPS. The vocabulary is the issue's (49,152: the default model's
 tokenizer); a larger one makes the head and the sample weigh more. Prints tables and writes
 JSON (default bench/results/one_row.json).
 """
@@ -63,7 +63,7 @@ VARIANTS = {  # label -> (the graph's head, the greedy sample it captures)
     "ops": (ops_embed_rows, copied_greedy),
     "tree": (embed_rows, sample_greedy),
 }
-GREEDY_LAUNCHES = [(sampler.GREEDY_BLOCK, 8), (8192, 8), (8192, 16), (2048, 4), (4096, 16)]
+GREEDY_LAUNCHES = [(sampler.GREEDY_BLOCK, sampler.GREEDY_WARPS), (4096, 8), (8192, 8), (4096, 16)]
 START = 400  # the row's first position
 
 
