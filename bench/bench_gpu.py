@@ -57,7 +57,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,7 +406,13 @@ def phase_inprocess(args) -> dict:
     result["rules_compile_s"] = time.perf_counter() - t
     result["rules"] = len(policy.pack.rules)
     texts = prompts(args.model_dir, 128, args.tiny)
-    engine.policy = lambda: NO_POLICY
+    def in_force(policy) -> None:
+        """As `finsieve serve` puts a (re)loaded policy in force, the workers' copies of its
+        input rules compiled before the rows (else the first requests wait for them)."""
+        engine.policy = lambda: policy
+        wait(engine.preparer.preload(policy.pack.input, policy.version), 60)
+
+    in_force(NO_POLICY)
     run_engine_level(engine, texts, len(texts), 1, 2, burst=True)  # every prompt shape once
     result["graph_replay_ms"] = _graph_replay_ms(engine)
     settle_heap()  # as `finsieve serve` does before it serves
@@ -417,7 +423,7 @@ def phase_inprocess(args) -> dict:
                 if time_left(args) < 60:
                     result["skipped"] = f"levels from {n} streams rules {name}: no time left"
                     break
-                engine.policy = lambda pol=pol: pol
+                in_force(pol)
                 row = run_engine_level(engine, texts, n, _rounds(args, spread), args.max_tokens,
                                        spread=spread)
                 row.update(streams=n, rules=name)
@@ -426,7 +432,7 @@ def phase_inprocess(args) -> dict:
                       f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms, "
                       f"errors {row['errors']}, finishes {row.get('finishes')}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
-    engine.policy = lambda: policy
+    in_force(policy)
     # The baselines, rules on: mixed steps off (FINSIEVE_MIXED_TOKENS=0: prefill in forwards
     # of its own, fresh prompts batched while streams decode, as before mixed steps), cold and
     # steady; requests prepared on threads of this process (FINSIEVE_PREPARE_WORKERS=0)

@@ -9,8 +9,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import prometheus_client
 import redis.asyncio as redis
@@ -42,6 +44,9 @@ from finsieve.grpc_server import (
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
 from finsieve.v1 import chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey, connect, redact
+
+if TYPE_CHECKING:
+    from finsieve.policy.guard import Policy
 
 log = structlog.get_logger(__name__)
 
@@ -167,7 +172,8 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     holder = None
     if settings.rules:
-        holder = await asyncio.to_thread(_watch_rules, settings, engine.token_bytes, stack)
+        holder = await asyncio.to_thread(_watch_rules, settings, engine.token_bytes, stack,
+                                         lambda p: engine.preparer.preload(p.pack.input, p.version))
         engine.policy = lambda: holder.current
     else:
         log.warning("serving without rules (--no-rules): answers are not filtered")
@@ -208,8 +214,10 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     return f"{host}:{running.port}"
 
 
-def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitStack) -> PolicyHolder:
-    """Compile the rules directory now (a bad pack stops start-up) and on every change."""
+def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitStack,
+                 in_force: Callable[[Policy], None]) -> PolicyHolder:
+    """Compile the rules directory now (a bad pack stops start-up) and on every change;
+    in_force(policy) each time a policy comes in force."""
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
     from finsieve.policy.reload import RulesWatcher
@@ -220,8 +228,14 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
     tokens = TokenTable.load_or_build(token_bytes, luts)
     policy, version = compile_policy(directory, tokens, luts, limits)
     holder = PolicyHolder(policy, version)
+    in_force(policy)
+
+    def swapped() -> None:
+        in_force(holder.current)
+        settle_heap()
+
     watcher = RulesWatcher(directory, holder, lambda d: compile_policy(d, tokens, luts, limits),
-                           settings.rules_debounce_ms, on_swap=settle_heap)
+                           settings.rules_debounce_ms, on_swap=swapped)
     watcher.start()
     stack.callback(watcher.stop)
     log.info("rules loaded", version=version, rules=len(policy.pack.rules), directory=str(directory))

@@ -82,6 +82,32 @@ def test_a_new_policy_version_reaches_every_worker(tokenizer, pool, tmp_path: Pa
             assert word not in verdict.messages[0]["content"]
 
 
+def test_a_preloaded_version_needs_no_hand_over_with_its_first_request(tokenizer, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """preload (start-up, each reload) hands a version's input rules to the workers before
+    any request: its first request is prepared in one call, where a version the worker has
+    not seen is handed over by a second, and both as on the calling thread."""
+    messages = [Message("user", "Tell me about the alpha fund.")]
+    preloaded, unseen = _pack(tmp_path / "a", "alpha"), _pack(tmp_path / "f", "fund")
+    preparer = Preparer(tokenizer, 512, workers=1)
+    try:
+        preparer.wait_ready()
+        calls: list[bool] = []  # per call to the pool: did it carry the rules?
+        real_call = preparer._call
+        monkeypatch.setattr(preparer, "_call", lambda pool, deadline, *args: (
+            calls.append(args[-1] is not None), real_call(pool, deadline, *args))[1])
+        preparer.preload(preloaded.input, preloaded.version)
+        inline = Preparer(tokenizer, 512, workers=0)
+        for pack, handed_over in ((preloaded, [False]), (unseen, [False, True])):
+            calls.clear()
+            there = preparer.prepare(messages, pack.input, pack.version)
+            assert calls == handed_over
+            assert there == inline.prepare(messages, pack.input, pack.version)
+            assert there.verdict.events  # the rules ran
+    finally:
+        preparer.close()
+
+
 def test_refusals_name_the_field_as_on_the_calling_thread(tokenizer) -> None:
     pack = Pack.load(REPO / "rules")
     strict = copy.deepcopy(tokenizer)  # a template that refuses, as many do for a misplaced role
