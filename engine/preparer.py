@@ -204,7 +204,7 @@ class Preparer:
     def preload(self, rules: RuleSet, version: str) -> list[concurrent.futures.Future]:
         """Hand a version's input rules to the workers now, one call each (best effort):
         else each worker's first request of the version waited while the worker compiled
-        them (~30 ms with the default packs and 10,000 literals, on an H200's host). The
+        them (~25 ms with the default packs and 10,000 literals on an H200 host). The
         calls, for a caller that waits for them (the serve path does not)."""
         pool = self._pool
         if pool is None:
