@@ -181,7 +181,8 @@ class CompactLM:
     def decode_embedded(self, x: Tensor, positions: Tensor, lengths: Tensor, slots: Tensor,
                         heads: Tensor | None = None, groups: Tensor | None = None) -> Tensor:
         """decode from the rows' embeddings x (rows, hidden) and lengths (positions + 1):
-        the decode graphs gather both in one kernel of their own."""
+        the decode graphs gather both in one kernel of their own. x may be written over (the
+        one-row path's residual stream): a fresh tensor, never a view of the embedding table."""
         if self.gemv and x.shape[0] == 1 and heads is None:
             return self._decode_one(x[0], positions, lengths, slots)
         delta = torch.zeros_like(x)

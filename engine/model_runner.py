@@ -166,7 +166,8 @@ def embed_rows(inputs: Tensor, prev: Tensor, embed: Tensor) -> tuple[Tensor, Ten
     if not inputs.is_cuda or triton is None:
         return embed[optimistic_ids(inputs, prev)], inputs[1] + 1
     rows, hidden = inputs.shape[1], embed.shape[1]
-    assert inputs.stride(1) == 1 and embed.is_contiguous()
+    assert inputs.dtype == prev.dtype == torch.long and inputs.stride(1) == prev.stride(0) == 1
+    assert embed.is_contiguous()
     x = torch.empty(rows, hidden, device=embed.device, dtype=embed.dtype)
     lengths = torch.empty(rows, device=embed.device, dtype=torch.long)
     _embed_rows_kernel[(rows,)](inputs, inputs.stride(0), prev, embed, x, lengths, hidden,

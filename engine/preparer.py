@@ -109,6 +109,9 @@ class Preparer:
         self._room = threading.BoundedSemaphore(max(workers, 1) * QUEUED_PER_WORKER)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._saved: _TokenizerDir | None = None  # the live pool's tokenizer files
+        # The policy version in force (its key and input rules) and its preload calls
+        self._in_force: tuple[tuple[str, float], tuple[Rule, ...]] | None = None
+        self._preloads: list[concurrent.futures.Future] = []
         if workers:
             with tempfile.TemporaryDirectory() as saved:
                 tokenizer.save_pretrained(saved)
@@ -202,18 +205,27 @@ class Preparer:
         return outcome
 
     def preload(self, rules: RuleSet, version: str) -> list[concurrent.futures.Future]:
-        """Hand a version's input rules to the workers now, one call each (best effort):
-        else each worker's first request of the version waited while the worker compiled
-        them (~25 ms with the default packs and 10,000 literals on an H200 host). The
-        calls, for a caller that waits for them (the serve path does not)."""
-        pool = self._pool
-        if pool is None:
-            return []
-        key = (version, rules.regex_timeout_s)
-        calls = []
-        with contextlib.suppress(BrokenProcessPool, RuntimeError):  # broken or closing: the
-            for _ in range(self.workers):                          # next request handles it
-                calls.append(pool.submit(_preload, key, rules.rules))
+        """Hand the input rules of the version now in force to the workers, one call per
+        worker (and again to a fresh set of workers): else each worker's first request of
+        the version waited while the worker compiled them (~25 ms with the default packs and
+        10,000 literals on an H200 host). Best effort: a worker busy meanwhile may leave its
+        call to another and compile them with its first request, as before. The calls, for a
+        caller that waits for them (the serve path does not)."""
+        with self._lock:
+            for call in self._preloads:  # a version no longer in force: not compiled if queued
+                call.cancel()
+            self._in_force = ((version, rules.regex_timeout_s), rules.rules)
+            pool = self._pool
+        return self._hand_rules(pool) if pool is not None else []
+
+    def _hand_rules(self, pool: concurrent.futures.ProcessPoolExecutor) -> list[concurrent.futures.Future]:
+        calls: list[concurrent.futures.Future] = []
+        if self._in_force is not None:
+            # broken or closing (the next request says), or a worker cannot start
+            with contextlib.suppress(RuntimeError, OSError):
+                for _ in range(self.workers):
+                    calls.append(pool.submit(_preload, *self._in_force))
+        self._preloads = calls
         return calls
 
     def _call(self, pool: concurrent.futures.ProcessPoolExecutor, deadline: float,
@@ -264,6 +276,7 @@ class Preparer:
         # meanwhile, or unable to start: the next request says.
         with contextlib.suppress(RuntimeError, OSError):
             self._warm(fresh)
+        self._hand_rules(fresh)
 
     def close(self) -> None:
         with self._lock:
@@ -391,6 +404,7 @@ def _preload(key: tuple[str, float], rules: tuple[Rule, ...]) -> None:
         w.rules[key] = RuleSet(list(rules), key[1])
         while len(w.rules) > KEPT_VERSIONS:
             w.rules.popitem(last=False)
+    w.rules.move_to_end(key)
 
 
 def _timeouts() -> Counter[str]:

@@ -259,6 +259,30 @@ def test_the_greedy_kernel_picks_the_tokens_of_the_torch_sample(dtype):
     assert torch.equal(prev[:64], sample(x, None, None)[0]) and (prev[64:] == -7).all()
 
 
+def test_the_decode_graphs_head_kernel_gathers_as_the_torch_ops():
+    """embed_rows (one kernel) against its torch ops, on inputs laid out as a graph's: a
+    bucket's columns of a wider buffer, optimistic rows taking shuffled previous rows, one
+    of them a -1 sample (fed as token 0), rows fed from the host between them, and a hidden
+    size of more than one block and no multiple of it."""
+    from finsieve.engine.model_runner import embed_rows, optimistic_ids
+
+    torch.manual_seed(0)
+    vocab, hidden, most, rows = 1000, 4096 + 77, 24, 19
+    embed = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16)
+    buffer = torch.zeros(5, most, dtype=torch.long, device="cuda")
+    buffer[0, :rows] = torch.randint(0, vocab, (rows,))
+    buffer[1, :rows] = torch.randint(0, 1000, (rows,))
+    buffer[3, :rows] = torch.arange(rows) % 3 != 0  # every third row fed from the host
+    buffer[4, :rows] = torch.randperm(rows) * (torch.arange(rows) % 3 != 0)
+    prev = torch.randint(0, vocab, (rows,), device="cuda")
+    prev[int(buffer[4, 1])] = -1
+    inputs = buffer[:, :rows]
+    x, lengths = embed_rows(inputs, prev, embed)
+    ids = optimistic_ids(inputs.cpu(), prev.cpu())
+    assert ids[1] == 0
+    assert torch.equal(x.cpu(), embed.cpu()[ids]) and torch.equal(lengths.cpu(), inputs[1].cpu() + 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_silu_mul_kernel_matches_the_torch_expression(dtype):
     """silu_mul's kernel against F.silu(gate) * up in float32: widths that are and are not

@@ -86,7 +86,8 @@ def test_a_preloaded_version_needs_no_hand_over_with_its_first_request(tokenizer
                                                                       monkeypatch) -> None:
     """preload (start-up, each reload) hands a version's input rules to the workers before
     any request: its first request is prepared in one call, where a version the worker has
-    not seen is handed over by a second, and both as on the calling thread."""
+    not seen is handed over by a second, and both as on the calling thread. A fresh worker
+    (after one died) is handed the version in force too."""
     messages = [Message("user", "Tell me about the alpha fund.")]
     preloaded, unseen = _pack(tmp_path / "a", "alpha"), _pack(tmp_path / "f", "fund")
     preparer = Preparer(tokenizer, 512, workers=1)
@@ -104,6 +105,14 @@ def test_a_preloaded_version_needs_no_hand_over_with_its_first_request(tokenizer
             assert calls == handed_over
             assert there == inline.prepare(messages, pack.input, pack.version)
             assert there.verdict.events  # the rules ran
+        (pid,) = preparer._pool._processes  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(1.0)
+        with pytest.raises(RequestError):  # the pool found broken, and replaced
+            preparer.prepare(messages, preloaded.input, preloaded.version)
+        calls.clear()
+        there = preparer.prepare(messages, preloaded.input, preloaded.version)
+        assert calls == [False] and there == inline.prepare(messages, preloaded.input, preloaded.version)
     finally:
         preparer.close()
 

@@ -79,7 +79,7 @@ class RulesWatcher(Generic[T]):
         self.holder = holder
         self.compile = compile
         self.debounce_ms = debounce_ms
-        self.on_swap = on_swap  # after a new pack is in force (serve.py: settle the heap)
+        self.on_swap = on_swap  # after a new pack is in force (serve.py: preload, settle the heap)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rules-watcher", daemon=True)
 
