@@ -3,8 +3,11 @@
     python bench/bench_gpu.py --tokenizer DIR [--deadline 560] [--phases ...]   # on a GPU
     .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
 
-One run, each phase in its own process (GPU memory and compile state stay apart), results
-written to the JSON after every phase, a table printed at the end:
+One run of the default phases should take ~8 of the device's 10 minutes on an H200 (in
+2026-12-02's separate calls: ~40 s to build the model, ~150 in-process, ~130 served, ~165
+for transformers; not yet run as one), each phase in its own process (GPU memory and
+compile state stay apart), results written to the JSON after every phase, a table printed
+at the end:
 
   device      copy bandwidth (device-to-device, bytes read + written; after ~1 s of copies,
               the clocks up) and bf16 matmul rate;
@@ -25,9 +28,11 @@ written to the JSON after every phase, a table printed at the end:
               64 requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
-              empty pack), same levels; start-up until the engine is SERVING
+              empty pack), same levels, those of more than one stream in the steady state
+              (`--serve-steady`); start-up until the engine is SERVING
   hf_batch    transformers continuous batching (`generate_batch`), 64 requests
   hf_generate transformers `generate`, static cache + torch.compile, batch 1
+  tests       (only when named) `make test-gpu`'s checks
   profile     (only when named) the decode step's kernels by device time at 1 and 64 rows,
               each weight's matmul alone against the copy bandwidth, a prefill forward's
               host and device time by size; `--sweeps`: the tile sweeps
@@ -1435,8 +1440,8 @@ def main() -> None:
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "finsieve-bench-gpu"))
     ap.add_argument("--out", default=str(REPO / "bench/results/gpu.json"))
     ap.add_argument("--log-dir", default="")
-    ap.add_argument("--phases", nargs="*", default=[p for p in PHASES if p != "profile"],
-                    help="phases to run (profile: only when named)")
+    ap.add_argument("--phases", nargs="*", default=[p for p in PHASES if p not in ("tests", "profile")],
+                    help="phases to run (tests, profile: only when named)")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds for the whole run")
     ap.add_argument("--levels", type=int, nargs="*")
     ap.add_argument("--rounds", type=int, default=2)
@@ -1456,10 +1461,12 @@ def main() -> None:
                          "mixed graphs' buckets) instead of MIXED_TILE")
     ap.add_argument("--sweep-from", type=int, default=64,
                     help="in-process: the fewest streams --mixed-sweep and --tile-sweep run at")
-    ap.add_argument("--serve-steady", type=float, default=0.0, metavar="SECONDS",
+    ap.add_argument("--serve-steady", type=float, metavar="SECONDS",
                     help="serve: levels of more than one stream run --steady-rounds requests a "
                          "stream, the streams starting over SECONDS (about one answer's time), "
-                         "and count the tokens of the window in which every stream runs")
+                         "and count the tokens of the window in which every stream runs (0: "
+                         "every stream started at once, --rounds requests each); default 2.5, "
+                         "with --tiny 0 (its answers are shorter than any spread)")
     ap.add_argument("--steady-rounds", type=int, default=4,
                     help="requests per stream in a steady row (its window is ~rounds - 1 answers)")
     ap.add_argument("--gateways", type=int, default=4)
@@ -1473,6 +1480,8 @@ def main() -> None:
     args = ap.parse_args()
     args.levels = args.levels or ([1, 4] if args.tiny else [1, 16, 64, 128])
     args.max_tokens = args.max_tokens or (16 if args.tiny else 256)
+    if args.serve_steady is None:
+        args.serve_steady = 0.0 if args.tiny else 2.5
     args.model_dir = str(Path(args.work) / "model")
     if args.phase:  # a child: one phase, result to a file
         result: dict = {}
