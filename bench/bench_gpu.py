@@ -411,6 +411,7 @@ def phase_inprocess(args) -> dict:
     result["rules_compile_s"] = time.perf_counter() - t
     result["rules"] = len(policy.pack.rules)
     texts = prompts(args.model_dir, 128, args.tiny)
+
     def in_force(policy) -> None:
         """As `finsieve serve` puts a (re)loaded policy in force, the workers' copies of its
         input rules compiled before the rows (else the first requests wait for them)."""
