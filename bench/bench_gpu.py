@@ -937,6 +937,7 @@ def _py_spy(pid: int, output: Path, args) -> subprocess.Popen | None:
     CPU time can be read by function."""
     if not (args.py_spy and args.log_dir and shutil.which("py-spy")):
         return None
+    output.parent.mkdir(parents=True, exist_ok=True)  # py-spy writes nothing into a missing folder
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format",
                              "raw", "--nonblocking", "--threads", "--output",
                              str(output)],
