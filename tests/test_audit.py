@@ -388,15 +388,15 @@ async def _held_up(srv: Server, tight_server, stream, request, pause_s: float = 
 def _engine_idle(tight_server) -> None:
     """Until the engine holds no request and its token count has settled (a request's last
     token may be counted just after its events left)."""
-    deadline = time.monotonic() + 30
     counted = -1.0
-    while time.monotonic() < deadline:
+
+    def settled() -> bool:
+        nonlocal counted
         busy = any(tight_server.metric(f"finsieve_engine_{queue}") for queue in ("running", "waiting"))
-        now = tight_server.metric(ENGINE_TOKENS)
-        if not busy and now == counted:
-            return
-        counted = now
-        time.sleep(0.2)
+        before, counted = counted, tight_server.metric(ENGINE_TOKENS)
+        return not busy and counted == before
+
+    wait_for(settled, every=0.2)
 
 
 def _records(srv: Server, request_id: str, n: int) -> list[dict]:

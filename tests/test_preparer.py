@@ -95,8 +95,12 @@ def test_a_preloaded_version_needs_no_hand_over_with_its_first_request(tokenizer
         preparer.wait_ready()
         calls: list[bool] = []  # per call to the pool: did it carry the rules?
         real_call = preparer._call
-        monkeypatch.setattr(preparer, "_call", lambda pool, deadline, *args: (
-            calls.append(args[-1] is not None), real_call(pool, deadline, *args))[1])
+
+        def counted_call(pool, deadline, *args):
+            calls.append(args[-1] is not None)
+            return real_call(pool, deadline, *args)
+
+        monkeypatch.setattr(preparer, "_call", counted_call)
         preparer.preload(preloaded.input, preloaded.version)
         inline = Preparer(tokenizer, 512, workers=0)
         for pack, handed_over in ((preloaded, [False]), (unseen, [False, True])):
