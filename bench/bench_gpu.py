@@ -3,11 +3,11 @@
     python bench/bench_gpu.py --tokenizer DIR [--deadline 560] [--phases ...]   # on a GPU
     .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
 
-One run of the default phases should take ~8 of the device's 10 minutes on an H200 (in
-2026-12-02's separate calls: ~40 s to build the model, ~150 in-process, ~130 served, ~165
-for transformers; not yet run as one), each phase in its own process (GPU memory and
-compile state stay apart), results written to the JSON after every phase, a table printed
-at the end:
+One run of the default phases takes under 10 minutes on an H200 (2026-12-02, with the
+engine's own baselines still in it: 7 s device, 39 model, 206 in-process, 80 transformers
+`generate_batch`, 128 served; transformers `generate`, last, was cut after 105 s: they are
+now `--baselines`, ~70 s), each phase in its own process (GPU memory and compile state stay
+apart), results written to the JSON after every phase, a table printed at the end:
 
   device      copy bandwidth (device-to-device, bytes read + written; after ~1 s of copies,
               the clocks up) and bf16 matmul rate;
@@ -19,12 +19,12 @@ at the end:
               off and rules on (default packs + 10,000 synthetic literals) at 1/16/64/128
               streams: tokens/s, TTFT p50/p99, step time (ITL) p50/p99, late repairs; each
               level twice: every stream started at once, and in the steady state (`steady`:
-              streams out of phase, see run_engine_level); at 64+ streams, rules on, the
-              baselines: mixed steps off (`unmixed` and `steady-um`: FINSIEVE_MIXED_TOKENS=0,
-              prefill in forwards of its own) and requests prepared on threads beside the
-              loop (`steady-th`, the baseline of FINSIEVE_PREPARE_WORKERS); mixed steps
-              whose prompt tokens are not cut to whole matmul tiles (`steady-ut`, the
-              baseline of the scheduler's MIXED_TILE);
+              streams out of phase, see run_engine_level); with --baselines, at 64+
+              streams, rules on, the engine's own baselines: mixed steps off (`unmixed`
+              and `steady-um`: FINSIEVE_MIXED_TOKENS=0, prefill in forwards of its own)
+              and requests prepared on threads beside the loop (`steady-th`, the baseline
+              of FINSIEVE_PREPARE_WORKERS); mixed steps whose prompt tokens are not cut to
+              whole matmul tiles (`steady-ut`, the baseline of the scheduler's MIXED_TILE);
               64 requests arriving at once (TTFT, prefill FLOP/s); a bare prefill's FLOP/s
   serve       `finsieve serve --role engine` plus gateway processes on one SO_REUSEPORT
               port, client processes over gRPC: rules on, then off (hot reload to an
@@ -138,7 +138,17 @@ def phase_device(args) -> dict:
             times.append(s.elapsed_time(e) / 1000)
     return {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_s": bandwidth,
             "bf16_matmul_flops": 2 * 8192**3 / statistics.median(times),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "host_cpu": _host_cpu()}
+
+
+def _host_cpu() -> str:
+    """The host's CPU model and core count: at 128 streams with the rules on the engine's
+    loop (one Python thread) is what sets the pace, so a row's host matters."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    return f"unknown, {os.cpu_count()} cores"
 
 
 def phase_model(args) -> dict:
@@ -384,7 +394,6 @@ def phase_inprocess(args) -> dict:
     from finsieve.config import Settings
     from finsieve.engine.engine import NO_POLICY, EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model
-    from finsieve.engine.preparer import Preparer
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
     from finsieve.serve import ENGINE_SWITCH_INTERVAL_S, settle_heap
@@ -439,28 +448,15 @@ def phase_inprocess(args) -> dict:
                       f"errors {row['errors']}, finishes {row.get('finishes')}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     in_force(policy)
-    # The baselines, rules on: mixed steps off (FINSIEVE_MIXED_TOKENS=0: prefill in forwards
-    # of its own, fresh prompts batched while streams decode, as before mixed steps), cold and
-    # steady; requests prepared on threads of this process (FINSIEVE_PREPARE_WORKERS=0)
-    with _mixed_steps_off(engine):
-        result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
-        result["steady_unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off")
-
-    def swept(label: str, **setting) -> list[dict]:
-        """Steady rows, rules on, at --sweep-from streams and more, under a scheduler setting."""
-        with _attributes_set(engine.scheduler, **setting):
-            return _baseline_rows(engine, texts, args, label, least=args.sweep_from)
-
-    # mixed steps whose prompt tokens fill the budget wherever it ends (a tile no step fills),
-    # cut to other tiles than MIXED_TILE, and other budgets
-    result["steady_untiled"] = swept("tile cut off", mixed_tile=2**62)
+    if args.baselines:
+        _baselines(engine, texts, args, result)
+    # mixed steps cut to other tiles than MIXED_TILE, and other budgets
     result["tile_sweep"] = [{**row, "mixed_tile": t} for t in args.tile_sweep
-                            for row in swept(f"tiles of {t} rows", mixed_tile=t)]
+                            for row in _swept(engine, texts, args, f"tiles of {t} rows", mixed_tile=t)]
     result["mixed_sweep"] = [{**row, "mixed_tokens": b}
                              for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens
-                             for row in swept(f"mixed steps of {b} tokens", mixed_tokens=b)]
-    with _attributes_set(engine, preparer=Preparer(engine.tokenizer, engine.max_context, 0)):
-        result["steady_threads"] = _baseline_rows(engine, texts, args, "prepared on threads")
+                             for row in _swept(engine, texts, args, f"mixed steps of {b} tokens",
+                                               mixed_tokens=b)]
     if time_left(args) < 30:
         return result
     burst = min(64, max(args.levels))
@@ -475,6 +471,27 @@ def phase_inprocess(args) -> dict:
         result["gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
 
+
+def _baselines(engine, texts: list[str], args, result: dict) -> None:
+    """With --baselines: the engine's own baselines, rules on. Mixed steps off
+    (FINSIEVE_MIXED_TOKENS=0: prefill in forwards of its own, fresh prompts batched while
+    streams decode, as before mixed steps), cold and steady; mixed steps whose prompt tokens
+    fill the budget wherever it ends (a tile no step fills); requests prepared on threads of
+    this process (FINSIEVE_PREPARE_WORKERS=0)."""
+    from finsieve.engine.preparer import Preparer
+
+    with _mixed_steps_off(engine):
+        result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
+        result["steady_unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off")
+    result["steady_untiled"] = _swept(engine, texts, args, "tile cut off", mixed_tile=2**62)
+    with _attributes_set(engine, preparer=Preparer(engine.tokenizer, engine.max_context, 0)):
+        result["steady_threads"] = _baseline_rows(engine, texts, args, "prepared on threads")
+
+
+def _swept(engine, texts: list[str], args, label: str, **setting) -> list[dict]:
+    """Steady rows, rules on, at --sweep-from streams and more, under a scheduler setting."""
+    with _attributes_set(engine.scheduler, **setting):
+        return _baseline_rows(engine, texts, args, label, least=args.sweep_from)
 
 def _rounds(args, spread: bool) -> int:
     """Requests per stream: a steady row counts from the last stream's start to the first
@@ -661,7 +678,7 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
                             "gaps": [b - a for a, b in itertools.pairwise(times)],
                             "error": error, "policy_version": version, "finish": finish,
                             # for a steady window (perf_counter is one clock for every process)
-                            "stream": i, "round": r, "end": time.perf_counter(),
+                            "stream": i, "round": r, "sent": t0, "end": time.perf_counter(),
                             "deltas": list(zip(times, tokens, strict=True)) if spread_s else []})
         return out
 
@@ -702,9 +719,12 @@ def grpc_level(target: str, key: str, texts: list[str], n: int, rounds: int, max
             w.join(1)
             if w.is_alive():
                 w.kill()
-    wall = time.perf_counter() - start
     if not reqs:
         raise TimeoutError(f"{n} streams: no client finished within {timeout:.0f} s")
+    # From the first request sent to the last answer received (perf_counter is one clock for
+    # every process): the clients' own start-up and exit, and the trip of their results
+    # back here, are not the server's time
+    wall = max(r["end"] for r in reqs) - min(r["sent"] for r in reqs)
     row = summarize(reqs, wall) if not spread_s else _steady_row(reqs)
     row["policy_versions"] = sorted({r["policy_version"] for r in reqs})
     return row
@@ -1373,6 +1393,7 @@ def table(r: dict) -> str:
                      f"{dev['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s; weights "
                      f"{model.get('weight_bytes_per_step', 0) / 1e9:.2f} GB/step -> batch-1 floor "
                      f"{1000 / floor_tps:.2f} ms/step = {floor_tps:.0f} tokens/s")
+        lines.append(f"host: {dev.get('host_cpu')}")
     hf1 = r.get("hf_generate", {}).get("tokens_per_s")
     hfb = r.get("hf_batch", {}).get("tokens_per_s")
     lines.append(f"transformers generate (static cache + compile, batch 1): "
@@ -1452,6 +1473,9 @@ def main() -> None:
     ap.add_argument("--sweeps", nargs="*", default=["attention", "gemv"],
                     help="profile: the sweeps to run (attention: programs and stages; "
                          "tiles: attention's tiles too; gemv)")
+    ap.add_argument("--baselines", action="store_true",
+                    help="in-process: also the engine's own baselines at 64+ streams, rules on "
+                         "(mixed steps off, tile cut off, preparation on threads; ~70 s more)")
     ap.add_argument("--mixed-tokens", type=int, default=0,
                     help="in-process: the engine's mixed-step budget (0: the served default)")
     ap.add_argument("--mixed-sweep", type=int, nargs="*", default=[],
