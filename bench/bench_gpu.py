@@ -3,10 +3,9 @@
     python bench/bench_gpu.py --tokenizer DIR [--deadline 560] [--phases ...]   # on a GPU
     .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
 
-One run of the default phases takes under 10 minutes on an H200 (2026-12-02, with the
-engine's own baselines still in it: 7 s device, 39 model, 206 in-process, 80 transformers
-`generate_batch`, 128 served; transformers `generate`, last, was cut after 105 s: they are
-now `--baselines`, ~70 s), each phase in its own process (GPU memory and compile state stay
+One run of the default phases takes ~9 minutes on an H200 (2026-12-02: 8 s device, 44
+model, 151 in-process, 86 transformers `generate_batch`, 138 served, 109 transformers
+`generate`), each phase in its own process (GPU memory and compile state stay
 apart), results written to the JSON after every phase, a table printed at the end:
 
   device      copy bandwidth (device-to-device, bytes read + written; after ~1 s of copies,
