@@ -1,6 +1,6 @@
 """GPU benchmark (issue 10): the engine against the memory-bandwidth floor and transformers.
 
-    python bench/bench_gpu.py --tokenizer DIR [--deadline 560] [--phases ...]   # on a GPU
+    python bench/bench_gpu.py --tokenizer DIR [--deadline 570] [--phases ...]   # on a GPU
     .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
 
 One run of the default phases takes ~9 minutes on an H200 (2026-12-02: 8 s device, 44
@@ -37,7 +37,8 @@ apart), results written to the JSON after every phase, a table printed at the en
               host and device time by size; `--sweeps`: the tile sweeps
 
 Prompts are 128-512 tokens, 256 new tokens, greedy. Each stream sends `--rounds` requests
-one after the other (a closed loop); tokens/s = completion tokens / wall time of the level.
+one after the other (a closed loop); tokens/s = completion tokens / wall time of the level
+(through gRPC: from the first request sent to the last answer received).
 """
 
 from __future__ import annotations
@@ -491,6 +492,7 @@ def _swept(engine, texts: list[str], args, label: str, **setting) -> list[dict]:
     """Steady rows, rules on, at --sweep-from streams and more, under a scheduler setting."""
     with _attributes_set(engine.scheduler, **setting):
         return _baseline_rows(engine, texts, args, label, least=args.sweep_from)
+
 
 def _rounds(args, spread: bool) -> int:
     """Requests per stream: a steady row counts from the last stream's start to the first
