@@ -1035,9 +1035,11 @@ def phase_hf_generate(args) -> dict:
 
     model, tok, device = _hf_model(args)
     ids = torch.tensor([_hf_prompt_ids(tok, prompts(args.model_dir, 1, args.tiny))[0]], device=device)
-    if device == "cuda":
-        # "reduce-overhead" (CUDA graphs) fails inside transformers' static cache update here
-        # ("accessing tensor output of CUDAGraphs that has been overwritten"); inductor alone.
+    if device == "cuda" and args.hf_compile == "forward":
+        # Our own mode="reduce-overhead" (CUDA graphs) failed inside transformers' static cache
+        # update ("accessing tensor output of CUDAGraphs that has been overwritten"): inductor
+        # alone. transformers' generate also compiles its decode step itself on a static cache
+        # (its CompileConfig: reduce-overhead); --hf-compile transformers leaves it that alone.
         model.forward = torch.compile(model.forward, fullgraph=True)
     kw = {"max_new_tokens": args.max_tokens, "min_new_tokens": args.max_tokens, "do_sample": False,
           "cache_implementation": "static", "attention_mask": torch.ones_like(ids)}
@@ -1053,7 +1055,18 @@ def phase_hf_generate(args) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         runs.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t))
-    return {"tokens_per_s": max(runs), "first_call_s": compile_s, "new_tokens": args.max_tokens}
+    return {"tokens_per_s": max(runs), "first_call_s": compile_s, "new_tokens": args.max_tokens,
+            "compile": args.hf_compile, **_dynamo_counts()}
+
+
+def _dynamo_counts() -> dict:
+    """How many graphs torch.compile made and where it broke them (a baseline whose decode
+    step is cut into pieces, or not graphed, is not the one its name promises)."""
+    from torch._dynamo.utils import counters  # internal, but what TORCH_LOGS reports from
+
+    return {"compiled_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 def phase_hf_batch(args) -> dict:
@@ -1397,7 +1410,8 @@ def table(r: dict) -> str:
         lines.append(f"host: {dev.get('host_cpu')}")
     hf1 = r.get("hf_generate", {}).get("tokens_per_s")
     hfb = r.get("hf_batch", {}).get("tokens_per_s")
-    lines.append(f"transformers generate (static cache + compile, batch 1): "
+    compiled = r.get("hf_generate", {}).get("compile", "forward")
+    lines.append(f"transformers generate (static cache + compile, {compiled}, batch 1): "
                  f"{(hf1 and f'{hf1:.0f} tok/s') or r.get('hf_generate', {}).get('error', 'not run')}")
     lines.append(f"transformers generate_batch (64 requests): "
                  f"{(hfb and f'{hfb:.0f} tok/s') or r.get('hf_batch', {}).get('error', 'not run')}")
@@ -1477,6 +1491,10 @@ def main() -> None:
     ap.add_argument("--baselines", action="store_true",
                     help="in-process: also the engine's own baselines at 64+ streams, rules on "
                          "(mixed steps off, tile cut off, preparation on threads; ~70 s more)")
+    ap.add_argument("--hf-compile", choices=["forward", "transformers"], default="forward",
+                    help="hf_generate: torch.compile the model's forward ourselves (inductor, "
+                         "as measured so far), or only as transformers' generate compiles its "
+                         "decode step on a static cache (CUDA graphs)")
     ap.add_argument("--mixed-tokens", type=int, default=0,
                     help="in-process: the engine's mixed-step budget (0: the served default)")
     ap.add_argument("--mixed-sweep", type=int, nargs="*", default=[],
