@@ -1039,7 +1039,7 @@ def phase_hf_generate(args) -> dict:
         # Our own mode="reduce-overhead" (CUDA graphs) failed inside transformers' static cache
         # update ("accessing tensor output of CUDAGraphs that has been overwritten"): inductor
         # alone. transformers' generate also compiles its decode step itself on a static cache
-        # (its CompileConfig: reduce-overhead); --hf-compile transformers leaves it that alone.
+        # (its CompileConfig: reduce-overhead): with --hf-compile transformers, that is all.
         model.forward = torch.compile(model.forward, fullgraph=True)
     kw = {"max_new_tokens": args.max_tokens, "min_new_tokens": args.max_tokens, "do_sample": False,
           "cache_implementation": "static", "attention_mask": torch.ones_like(ids)}
