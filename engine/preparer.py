@@ -212,21 +212,27 @@ class Preparer:
         call to another and compile them with its first request, as before. The calls, for a
         caller that waits for them (the serve path does not)."""
         with self._lock:
-            for call in self._preloads:  # a version no longer in force: not compiled if queued
-                call.cancel()
             self._in_force = ((version, rules.regex_timeout_s), rules.rules)
             pool = self._pool
-        return self._hand_rules(pool) if pool is not None else []
+        return self._hand_rules(pool)
 
-    def _hand_rules(self, pool: concurrent.futures.ProcessPoolExecutor) -> list[concurrent.futures.Future]:
-        calls: list[concurrent.futures.Future] = []
-        if self._in_force is not None:
+    def _hand_rules(self, pool: concurrent.futures.ProcessPoolExecutor | None
+                    ) -> list[concurrent.futures.Future]:
+        """The version in force to each of `pool`'s workers, if it is still the live pool;
+        the calls of the one handed before are cancelled (not compiled if still queued).
+        Under the lock: preload (the rules watcher's thread) and _replace (a request's)
+        may both hand rules at once."""
+        with self._lock:
+            for call in self._preloads:
+                call.cancel()
+            self._preloads = []
+            if pool is None or pool is not self._pool or self._in_force is None:
+                return []
             # broken or closing (the next request says), or a worker cannot start
             with contextlib.suppress(RuntimeError, OSError):
                 for _ in range(self.workers):
-                    calls.append(pool.submit(_preload, *self._in_force))
-        self._preloads = calls
-        return calls
+                    self._preloads.append(pool.submit(_preload, *self._in_force))
+            return list(self._preloads)
 
     def _call(self, pool: concurrent.futures.ProcessPoolExecutor, deadline: float,
               *args: Any) -> Any:
