@@ -298,6 +298,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     from finsieve.engine.events import LATE_REPAIRS
 
     rows_from = rows_to = None  # the steps' rows (matmul M) over the row's window, by bucket
+    loop_from = loop_to = None  # the engine's step and loop counters over the same window
     live: dict[int, tuple[TimingSink, float]] = {}
     done: list[dict] = []
     sinks: list[TimingSink] = []
@@ -336,7 +337,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
             pending[s] -= 1
         if step == last_start:
             all_running = time.perf_counter()
-            rows_from = _step_rows()
+            rows_from, loop_from = _step_rows(), _loop_metrics()
         t = time.perf_counter()
         if engine.step():
             steps.append((t, time.perf_counter() - t))
@@ -357,7 +358,7 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
                     submit(s)
                 elif idle_from is None:
                     idle_from = time.perf_counter()
-                    rows_to = _step_rows()
+                    rows_to, loop_to = _step_rows(), _loop_metrics()
     wall = time.perf_counter() - start
     workers.shutdown()
     if not spread:
@@ -371,11 +372,22 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
         row["tokens"] = sum(n for sink in sinks for t, n in zip(sink.times, sink.tokens, strict=True)
                             if t_a <= t <= t_b)
         row["tokens_per_s"] = row["tokens"] / row["wall_s"]
-    rows_to = rows_to if spread and rows_to else _step_rows()
+    if not (spread and rows_to):
+        rows_to, loop_to = _step_rows(), _loop_metrics()
     row["step_rows"] = {le: rows_to[le] - rows_from.get(le, 0) for le in rows_to}
+    row["engine_steps"] = _step_stats(loop_from, loop_to)
     row["late_repairs"] = LATE_REPAIRS._value.get() - repairs_before
     row["last_first_token_s"] = max((r["first_at"] or 0) for r in done)
     return row
+
+
+def _loop_metrics() -> dict[str, float]:
+    """This process's engine step and loop counters, as a served level reads the engine's
+    (`_engine_metrics`): the in-process rows' loop per step by part (host work against
+    waiting for the device)."""
+    from prometheus_client import generate_latest
+
+    return _step_metrics(generate_latest().decode())
 
 
 def _step_rows() -> dict[str, float]:
@@ -445,6 +457,7 @@ def phase_inprocess(args) -> dict:
                 result["steady" if spread else "levels"].append(row)
                 print(f"  in-process {n:>3} streams rules {name}{' steady' if spread else ''}: "
                       f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms, "
+                      f"loop ms/step {row.get('engine_steps', {}).get('loop_ms_per_step')}, "
                       f"errors {row['errors']}, finishes {row.get('finishes')}", flush=True)
                 Path(args.result).write_text(json.dumps(result))  # what is measured survives a kill
     in_force(policy)
@@ -919,12 +932,18 @@ def _engine_metrics(port: int) -> dict[str, float]:
     by their bound: "le=0.01") and finsieve_engine_loop_seconds by part ("loop:host")."""
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
         return {}
+    return _step_metrics(text)
+
+
+def _step_metrics(text: str) -> dict[str, float]:
+    """_engine_metrics' figures from a Prometheus exposition (a served engine's /metrics, or
+    this process's registry for the in-process rows)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
     for family in text_string_to_metric_families(text):
         if family.name == "finsieve_decode_step_seconds":
