@@ -3,9 +3,9 @@
     python bench/bench_gpu.py --tokenizer DIR [--deadline 570] [--phases ...]   # on a GPU
     .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
 
-One run of the default phases takes ~9 minutes on an H200 (2026-12-02: 8 s device, 44
-model, 151 in-process, 86 transformers `generate_batch`, 138 served, 109 transformers
-`generate`), each phase in its own process (GPU memory and compile state stay
+One run of the default phases takes ~8.5 minutes on an H200 (2026-12-02: 8 s device, 44
+model, 151 in-process, 86 transformers `generate_batch`, 138 served, ~65 transformers
+`generate`, of which ~41 compiling), each phase in its own process (GPU memory and compile state stay
 apart), results written to the JSON after every phase, a table printed at the end:
 
   device      copy bandwidth (device-to-device, bytes read + written; after ~1 s of copies,
@@ -30,7 +30,8 @@ apart), results written to the JSON after every phase, a table printed at the en
               empty pack), same levels, those of more than one stream in the steady state
               (`--serve-steady`); start-up until the engine is SERVING
   hf_batch    transformers continuous batching (`generate_batch`), 64 requests
-  hf_generate transformers `generate`, static cache + torch.compile, batch 1
+  hf_generate transformers `generate`, static cache + torch.compile, batch 1 (as its
+              generate compiles its decode step: CUDA graphs; --hf-compile)
   tests       (only when named) `make test-gpu`'s checks
   profile     (only when named) the decode step's kernels by device time at 1 and 64 rows,
               each weight's matmul alone against the copy bandwidth, a prefill forward's
@@ -1055,10 +1056,10 @@ def phase_hf_generate(args) -> dict:
     model, tok, device = _hf_model(args)
     ids = torch.tensor([_hf_prompt_ids(tok, prompts(args.model_dir, 1, args.tiny))[0]], device=device)
     if device == "cuda" and args.hf_compile == "forward":
-        # Our own mode="reduce-overhead" (CUDA graphs) failed inside transformers' static cache
-        # update ("accessing tensor output of CUDAGraphs that has been overwritten"): inductor
-        # alone. transformers' generate also compiles its decode step itself on a static cache
-        # (its CompileConfig: reduce-overhead): with --hf-compile transformers, that is all.
+        # transformers' generate compiles its decode step itself on a static cache (its
+        # CompileConfig: reduce-overhead, CUDA graphs), the default here: on one H200, back to
+        # back, 141 tokens/s against 76 with our torch.compile of the whole forward (inductor
+        # alone: our mode="reduce-overhead" failed inside the static cache's update).
         model.forward = torch.compile(model.forward, fullgraph=True)
     kw = {"max_new_tokens": args.max_tokens, "min_new_tokens": args.max_tokens, "do_sample": False,
           "cache_implementation": "static", "attention_mask": torch.ones_like(ids)}
@@ -1422,14 +1423,14 @@ def table(r: dict) -> str:
     bw = dev.get("copy_bandwidth_bytes_s")
     floor_tps = bw / model["weight_bytes_per_step"] if bw and "weight_bytes_per_step" in model else None
     if bw:
+        floor = (f"; weights {model['weight_bytes_per_step'] / 1e9:.2f} GB/step -> batch-1 floor "
+                 f"{1000 / floor_tps:.2f} ms/step = {floor_tps:.0f} tokens/s" if floor_tps else "")
         lines.append(f"device {dev.get('device')}: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
-                     f"{dev['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s; weights "
-                     f"{model.get('weight_bytes_per_step', 0) / 1e9:.2f} GB/step -> batch-1 floor "
-                     f"{1000 / floor_tps:.2f} ms/step = {floor_tps:.0f} tokens/s")
+                     f"{dev['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s{floor}")
         lines.append(f"host: {dev.get('host_cpu')}")
     hf1 = r.get("hf_generate", {}).get("tokens_per_s")
     hfb = r.get("hf_batch", {}).get("tokens_per_s")
-    compiled = r.get("hf_generate", {}).get("compile", "forward")
+    compiled = r.get("hf_generate", {}).get("compile", "forward")  # older JSON: forward
     lines.append(f"transformers generate (static cache + compile, {compiled}, batch 1): "
                  f"{(hf1 and f'{hf1:.0f} tok/s') or r.get('hf_generate', {}).get('error', 'not run')}")
     lines.append(f"transformers generate_batch (64 requests): "
@@ -1510,10 +1511,11 @@ def main() -> None:
     ap.add_argument("--baselines", action="store_true",
                     help="in-process: also the engine's own baselines at 64+ streams, rules on "
                          "(mixed steps off, tile cut off, preparation on threads; ~70 s more)")
-    ap.add_argument("--hf-compile", choices=["forward", "transformers"], default="forward",
-                    help="hf_generate: torch.compile the model's forward ourselves (inductor, "
-                         "as measured so far), or only as transformers' generate compiles its "
-                         "decode step on a static cache (CUDA graphs)")
+    ap.add_argument("--hf-compile", choices=["transformers", "forward"], default="transformers",
+                    help="hf_generate: compiled only as transformers' generate compiles its "
+                         "decode step on a static cache (CUDA graphs; the stronger baseline), or "
+                         "by our torch.compile of the model's forward (inductor, as measured "
+                         "before 2026-12-02)")
     ap.add_argument("--mixed-tokens", type=int, default=0,
                     help="in-process: the engine's mixed-step budget (0: the served default)")
     ap.add_argument("--mixed-sweep", type=int, nargs="*", default=[],
