@@ -139,7 +139,8 @@ class LLMEngine:
         self._last_launch = 0.0
         self._counts: list = [0, 0, 0.0]  # steps, tokens, seconds since the last report
         self._loop_time = {part: LOOP_SECONDS.labels(part)
-                           for part in ("device", "device_cpu", "host", "host_cpu", "idle")}
+                           for part in ("device", "device_cpu", "host", "host_cpu", "idle",
+                                        "launch", "tokens")}
         self.failed = threading.Event()
 
     # -- any thread -------------------------------------------------------------------
@@ -212,7 +213,9 @@ class LLMEngine:
                 for i in seq.input_events:
                     out.add(seq, events.policy(seq, i, "input"))
             rows = self.scheduler.schedule()
+            t = time.perf_counter()
             launched = self._launch(rows, out) if rows else None
+            self._loop_time["launch"].inc(time.perf_counter() - t)
             if self._in_flight is not None:
                 waited = self._process(self._in_flight, out)
             self._in_flight = launched
@@ -300,6 +303,7 @@ class LLMEngine:
             self._step_failed(e, flight.seqs, out)
             return 0.0, 0.0
         waited = time.perf_counter() - wall, time.thread_time() - cpu
+        acting = time.perf_counter()
         accepted = self._counts[1]
         for seq, (token, first) in zip(flight.seqs, results, strict=True):
             if seq.status is not Status.RUNNING:
@@ -314,6 +318,7 @@ class LLMEngine:
                 log.exception("request failed in the engine", request_id=seq.request_id)
                 self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
         TOKENS.inc(self._counts[1] - accepted)  # once per step: a metric per token costs
+        self._loop_time["tokens"].inc(time.perf_counter() - acting)
         return waited
 
     def _step_failed(self, error: Exception, seqs: list[Sequence], out: Outbox) -> None:

@@ -39,7 +39,9 @@ LOOP_SECONDS = Counter(
     "Where the engine loop's time goes: device (waiting for a step's tokens), host (its own "
     "work), idle (nothing to do); device_cpu and host_cpu: the loop thread's CPU clock in the "
     "first two (a wait for the device spins), the rest of them spent waiting for the GIL or a "
-    "core. On the CPU the forward runs in the loop's own work (host), not in device", ["part"])
+    "core. On the CPU the forward runs in the loop's own work (host), not in device. Of host: "
+    "launch (the next step's rows, their bans, handing them to the device; on the CPU the "
+    "forward too) and tokens (acting on a step's tokens: the rules, the events)", ["part"])
 WAITING = Gauge("finsieve_engine_waiting", "Requests waiting for a KV slot")
 RUNNING = Gauge("finsieve_engine_running", "Requests holding a KV slot")
 

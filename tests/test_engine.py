@@ -422,6 +422,36 @@ def test_each_step_reports_the_rows_it_feeds(engine):
     assert (after[0] - steps, after[1] - rows) == (6, len(seq.prompt_ids) + 5)
 
 
+def test_the_loop_splits_its_host_work_into_launching_and_acting_on_tokens(engine, monkeypatch):
+    """finsieve_engine_loop_seconds: `tokens` is the time spent acting on a step's tokens
+    (here a guard slowed by 2 ms a token), `launch` the time spent launching (on the CPU
+    the forward), both inside `host`."""
+    from finsieve.engine.events import LOOP_SECONDS
+
+    def parts() -> dict[str, float]:
+        return {s.labels["part"]: s.value for s in LOOP_SECONDS.collect()[0].samples
+                if s.name.endswith("_total")}
+
+    sink = CollectingSink()
+    seq = engine.prepare(chat_request("parts", "What is a bond?", max_tokens=5), sink)
+    check = seq.guard.check
+
+    def slow_check(token, **kw):
+        time.sleep(0.002)
+        return check(token, **kw)
+
+    monkeypatch.setattr(seq.guard, "check", slow_check)
+    before = parts()
+    engine.submit(seq)
+    while not sink.finished:
+        engine.step()
+    spent = {k: v - before.get(k, 0.0) for k, v in parts().items()}
+    assert len(seq.output_ids) == 5
+    assert spent["tokens"] >= 5 * 0.002
+    assert spent["launch"] > 0
+    assert spent["tokens"] + spent["launch"] <= spent["host"]
+
+
 def test_an_exception_in_one_sequence_fails_that_sequence_alone(engine, monkeypatch):
     requests = [chat_request(f"r{i}", "Name a kind of savings account.", max_tokens=10) for i in range(3)]
     sinks = {r.request_id: CollectingSink() for r in requests}
