@@ -3,10 +3,11 @@
     python bench/bench_gpu.py --tokenizer DIR [--deadline 570] [--phases ...]   # on a GPU
     .venv/bin/python bench/bench_gpu.py --tiny                                 # CPU dry run
 
-One run of the default phases takes ~8.5 minutes on an H200 (2026-12-02: 8 s device, 44
-model, 151 in-process, 86 transformers `generate_batch`, 138 served, ~65 transformers
-`generate`, of which ~41 compiling), each phase in its own process (GPU memory and compile state stay
-apart), results written to the JSON after every phase, a table printed at the end:
+One run of the default phases takes ~8 minutes on an H200 (2026-12-02: 9 s device, 41
+model, 138 in-process, 74 transformers `generate_batch`, 131 served, ~65 transformers
+`generate` of which ~41 compiling), each phase in its own process (GPU memory and compile
+state stay apart), results written to the JSON after every phase, a table printed at the
+end:
 
   device      copy bandwidth (device-to-device, bytes read + written; after ~1 s of copies,
               the clocks up) and bf16 matmul rate;
