@@ -12,6 +12,12 @@ literals (bench_gpu's "rules on"). Each is timed `--repeats` times; the best cou
 machine's other work only adds). Request preparation is not counted. `--baseline REV` runs
 the same measurement on another revision (a git worktree) in the same run, the two trees
 in turn `--rounds` times. Prints a table and writes JSON.
+
+`--device-ms MS`: each step's tokens are ready MS milliseconds after the previous step's
+(a device queue; the wait spins, as a CUDA event's does), so the loop's work overlaps a
+device step as on a GPU: the figure is then the wall time per token, and on / none the
+throughput the rules cost. Uniformly random tokens are the rules' worst case (their memos
+of a token's text rarely hit), as the GPU benchmark's random model is.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,6 +65,19 @@ def measure(args) -> dict[str, float]:
     rng = random.Random(0)
     vocab = len(engine.token_bytes)
 
+    device_s, last_due = args.device_ms / 1000, [0.0]
+
+    @dataclass
+    class Queued(Launch):
+        """Its tokens are ready at `due` (perf_counter), waited for by spinning."""
+
+        due: float = 0.0
+
+        def tokens(self) -> list[tuple[int, int]]:
+            while time.perf_counter() < self.due:
+                pass
+            return super().tokens()
+
     def launch(rows) -> Launch:
         order = [i for i, r in enumerate(rows) if r.sample]
         tokens = []
@@ -67,7 +87,10 @@ def measure(args) -> dict[str, float]:
             while token in banned:
                 token = rng.randrange(vocab)
             tokens.append(token)
-        return Launch(order, torch.tensor([tokens, tokens]))
+        if not device_s:
+            return Launch(order, torch.tensor([tokens, tokens]))
+        last_due[0] = max(time.perf_counter(), last_due[0]) + device_s  # after the step before
+        return Queued(order, torch.tensor([tokens, tokens]), due=last_due[0])
 
     engine.runner.launch = launch
     table = TokenTable.build(engine.token_bytes)
@@ -140,7 +163,8 @@ def alternating(trees: dict[str, Path], args) -> dict[str, dict[str, float]]:
 def measure_in(tree: Path, args) -> dict[str, float]:
     """This script's measurement with `tree`'s finsieve imported first."""
     cmd = [sys.executable, __file__, "--measure", "--streams", str(args.streams), "--steps",
-           str(args.steps), "--repeats", str(args.repeats), "--work", args.work]
+           str(args.steps), "--repeats", str(args.repeats), "--work", args.work,
+           "--device-ms", str(args.device_ms)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": f"{tree}:{REPO}"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -151,6 +175,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=128)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="a step's device time: the loop overlaps it (0: tokens at once)")
     ap.add_argument("--baseline", help="git revision to measure beside this tree")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --baseline: the trees measured in turn this many times")
@@ -173,7 +199,9 @@ def main() -> None:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                                capture_output=True)
     rounds = f" x {args.rounds} rounds" if args.baseline else ""
-    print(f"\nengine host work, us per token, {args.streams} streams (best of {args.repeats}{rounds})")
+    what = (f"wall us per token with a {args.device_ms:g} ms device step" if args.device_ms
+            else "engine host work, us per token")
+    print(f"\n{what}, {args.streams} streams (best of {args.repeats}{rounds})")
     print(f"{'':12}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'on / none':>12}")
     for name, row in results.items():
         print(f"{name:12}" + "".join(f"{row[p]:12.1f}" for p in POLICIES)
@@ -183,6 +211,7 @@ def main() -> None:
         print(f"{'ratio':12}" + "".join(f"{ours[p] / base[p]:11.2f}x" for p in POLICIES))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"streams": args.streams, "steps": args.steps,
+                                    "device_ms": args.device_ms,
                                     "repeats": args.repeats,
                                     "rounds": args.rounds if args.baseline else 1,
                                     "results": results}, indent=1))
