@@ -213,20 +213,19 @@ class Preparer:
         caller that waits for them (the serve path does not)."""
         with self._lock:
             self._in_force = ((version, rules.regex_timeout_s), rules.rules)
-            pool = self._pool
-        return self._hand_rules(pool)
+        return self._hand_rules()
 
-    def _hand_rules(self, pool: concurrent.futures.ProcessPoolExecutor | None
-                    ) -> list[concurrent.futures.Future]:
-        """The version in force to each of `pool`'s workers, if it is still the live pool;
-        the calls of the one handed before are cancelled (not compiled if still queued).
-        Under the lock: preload (the rules watcher's thread) and _replace (a request's)
-        may both hand rules at once."""
+    def _hand_rules(self) -> list[concurrent.futures.Future]:
+        """The version in force to each worker of the live pool (none once closed); the
+        calls of the one handed before are cancelled (not compiled if still queued). Under
+        the lock: preload (the rules watcher's thread) and _replace (a request's) may both
+        hand rules at once."""
         with self._lock:
             for call in self._preloads:
                 call.cancel()
             self._preloads = []
-            if pool is None or pool is not self._pool or self._in_force is None:
+            pool = self._pool
+            if pool is None or self._in_force is None:
                 return []
             # broken or closing (the next request says), or a worker cannot start
             with contextlib.suppress(RuntimeError, OSError):
@@ -282,7 +281,7 @@ class Preparer:
         # meanwhile, or unable to start: the next request says.
         with contextlib.suppress(RuntimeError, OSError):
             self._warm(fresh)
-        self._hand_rules(fresh)
+        self._hand_rules()  # to `fresh`, or to a pool that replaced it meanwhile
 
     def close(self) -> None:
         with self._lock:
