@@ -472,8 +472,6 @@ def phase_inprocess(args) -> dict:
                              for b in args.mixed_sweep if 0 < b <= engine.runner.mixed_tokens
                              for row in _swept(engine, texts, args, f"mixed steps of {b} tokens",
                                                mixed_tokens=b)]
-    result["ahead_sweep"] = [{**row, "run_ahead": n} for n in args.ahead_sweep
-                             for row in _swept(engine, texts, args, f"run ahead {n}", run_ahead=n)]
     if time_left(args) < 30:
         return result
     burst = min(64, max(args.levels))
@@ -554,8 +552,8 @@ def _baseline_rows(engine, texts: list[str], args, label: str, spread: bool = Tr
         row.update(streams=n, rules="on")
         rows.append(row)
         print(f"  in-process {n:>3} streams rules on{' steady' if spread else ''}, {label}: "
-              f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms, "
-              f"loop ms/step {row.get('engine_steps', {}).get('loop_ms_per_step')}", flush=True)
+              f"{row['tokens_per_s']:.0f} tok/s, step p50 {row.get('step_p50_ms', 0):.2f} ms",
+              flush=True)
     return rows
 
 
@@ -1447,12 +1445,10 @@ def table(r: dict) -> str:
                              ("inprocess", "steady_threads", "steady-th"),
                              ("inprocess", "steady_untiled", "steady-ut"),
                              ("inprocess", "mixed_sweep", "steady-mix"),
-                             ("inprocess", "tile_sweep", "steady-tile"),
-                             ("inprocess", "ahead_sweep", "steady-ra"), ("serve", "levels", "serve")):
+                             ("inprocess", "tile_sweep", "steady-tile"), ("serve", "levels", "serve")):
         for row in r.get(phase, {}).get(key, []):
             label = f"mix-{row['mixed_tokens']}" if "mixed_tokens" in row else \
                 f"tile-{row['mixed_tile']}" if "mixed_tile" in row else \
-                f"ahead-{row['run_ahead']}" if "run_ahead" in row else \
                 "serve-st" if row.get("steady") else path
             tps = row.get("tokens_per_s", 0)
             per_stream_floor = floor_tps * row["streams"] if floor_tps else None
@@ -1530,11 +1526,8 @@ def main() -> None:
                     help="in-process: steady rows, rules on, at --sweep-from streams and more "
                          "with mixed steps cut to these matmul tiles (multiples of 32, as the "
                          "mixed graphs' buckets) instead of MIXED_TILE")
-    ap.add_argument("--ahead-sweep", type=int, nargs="*", default=[], choices=(1, 2),
-                    help="in-process: steady rows, rules on, at --sweep-from streams and more "
-                         "with the engine this many steps ahead of the rules (FINSIEVE_RUN_AHEAD)")
     ap.add_argument("--sweep-from", type=int, default=64,
-                    help="in-process: the fewest streams the sweeps (--mixed-, --tile-, --ahead-) run at")
+                    help="in-process: the fewest streams --mixed-sweep and --tile-sweep run at")
     ap.add_argument("--serve-steady", type=float, metavar="SECONDS",
                     help="serve: levels of more than one stream run --steady-rounds requests a "
                          "stream, the streams starting over SECONDS (about one answer's time), "

@@ -61,11 +61,11 @@ def measure(args) -> dict[str, float]:
     cpu = torch.device("cpu")
     engine = LLMEngine(load_model(str(model_dir), work, cpu),
                        EngineLimits(max_batch=args.streams, max_context=1024, default_max_tokens=256,
-                                    max_waiting=1024, prepare_workers=0, run_ahead=args.run_ahead), cpu)
+                                    max_waiting=1024, prepare_workers=0), cpu)
     rng = random.Random(0)
     vocab = len(engine.token_bytes)
 
-    device_s, prompt_s, last_due = args.device_ms / 1000, args.prompt_token_us / 1e6, [0.0]
+    device_s, last_due = args.device_ms / 1000, [0.0]
 
     @dataclass
     class Queued(Launch):
@@ -89,8 +89,7 @@ def measure(args) -> dict[str, float]:
             tokens.append(token)
         if not device_s:
             return Launch(order, torch.tensor([tokens, tokens]))
-        prompt = sum(len(r.tokens) for r in rows if len(r.tokens) > 1)  # prefill rows' tokens
-        last_due[0] = max(time.perf_counter(), last_due[0]) + device_s + prompt * prompt_s
+        last_due[0] = max(time.perf_counter(), last_due[0]) + device_s  # after the step before
         return Queued(order, torch.tensor([tokens, tokens]), due=last_due[0])
 
     engine.runner.launch = launch
@@ -149,28 +148,23 @@ def baseline_tree(rev: str, into: Path) -> Path:
     return tree
 
 
-def alternating(trees: dict[str, tuple[Path, int]], args) -> dict[str, dict[str, float]]:
-    """Each (tree, run ahead) measured once a round, in turn, `--rounds` times; the best of
-    each. On a machine whose speed drifts during a run (a shared cloud CPU: the same tree
-    measured minutes apart differed by a third here), the trees then see the same drift."""
+def alternating(trees: dict[str, Path], args) -> dict[str, dict[str, float]]:
+    """Each tree measured once a round, in turn, `--rounds` times; the best of each. On a
+    machine whose speed drifts during a run (a shared cloud CPU: the same tree measured
+    minutes apart differed by a third here), the trees then see the same drift."""
     best: dict[str, dict[str, float]] = {}
     for _ in range(args.rounds):
-        for name, (tree, run_ahead) in trees.items():
-            row = measure_in(tree, args, run_ahead)
+        for name, tree in trees.items():
+            row = measure_in(tree, args)
             best[name] = {p: min(v, best.get(name, row)[p]) for p, v in row.items()}
     return best
 
 
-def measure_in(tree: Path, args, run_ahead: int = 1) -> dict[str, float]:
+def measure_in(tree: Path, args) -> dict[str, float]:
     """This script's measurement with `tree`'s finsieve imported first."""
     cmd = [sys.executable, __file__, "--measure", "--streams", str(args.streams), "--steps",
            str(args.steps), "--repeats", str(args.repeats), "--work", args.work,
            "--device-ms", str(args.device_ms)]
-    # only as set: a baseline tree may predate these flags
-    if args.prompt_token_us:
-        cmd += ["--prompt-token-us", str(args.prompt_token_us)]
-    if run_ahead > 1:
-        cmd += ["--run-ahead", str(run_ahead)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": f"{tree}:{REPO}"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -183,12 +177,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="a step's device time: the loop overlaps it (0: tokens at once)")
-    ap.add_argument("--prompt-token-us", type=float, default=0.0,
-                    help="with --device-ms: a step's device time grows this much per prompt token "
-                         "it feeds (a mixed step's prefill; ~14 us on an H200 at 128 streams)")
-    ap.add_argument("--run-ahead", type=int, nargs="+", default=[1], choices=(1, 2),
-                    help="steps the engine launches before it acts on the first one's tokens "
-                         "(FINSIEVE_RUN_AHEAD; 2 as on CUDA); several: each measured, in turn")
     ap.add_argument("--baseline", help="git revision to measure beside this tree")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --baseline: the trees measured in turn this many times")
@@ -198,23 +186,19 @@ def main() -> None:
     args = ap.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.measure:
-        args.run_ahead = args.run_ahead[0]
         print(json.dumps(measure(args)))
         return
-    ours = {"this tree" if len(args.run_ahead) == 1 else f"run ahead {n}": (REPO, n)
-            for n in args.run_ahead}
     if not args.baseline:
-        results = alternating(ours, args) if len(ours) > 1 else \
-            {"this tree": measure(SimpleNamespace(**{**vars(args), "run_ahead": args.run_ahead[0]}))}
+        results = {"this tree": measure(args)}
     else:
         with tempfile.TemporaryDirectory() as tmp:
             tree = baseline_tree(args.baseline, Path(tmp))
             try:
-                results = alternating({**ours, args.baseline: (tree, 1)}, args)
+                results = alternating({"this tree": REPO, args.baseline: tree}, args)
             finally:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
                                capture_output=True)
-    rounds = f" x {args.rounds} rounds" if len(results) > 1 else ""
+    rounds = f" x {args.rounds} rounds" if args.baseline else ""
     what = (f"wall us per token with a {args.device_ms:g} ms device step" if args.device_ms
             else "engine host work, us per token")
     print(f"\n{what}, {args.streams} streams (best of {args.repeats}{rounds})")
@@ -222,16 +206,14 @@ def main() -> None:
     for name, row in results.items():
         print(f"{name:12}" + "".join(f"{row[p]:12.1f}" for p in POLICIES)
               + f"{row['rules on'] / row['none']:11.2f}x")
-    if len(results) > 1:
-        base = args.baseline or "run ahead 1"
-        other = results[next(name for name in results if name != base)]
-        print(f"{'ratio':12}" + "".join(f"{other[p] / results[base][p]:11.2f}x" for p in POLICIES))
+    if args.baseline:
+        base, ours = results[args.baseline], results["this tree"]
+        print(f"{'ratio':12}" + "".join(f"{ours[p] / base[p]:11.2f}x" for p in POLICIES))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"streams": args.streams, "steps": args.steps,
                                     "device_ms": args.device_ms,
                                     "repeats": args.repeats,
-                                    "rounds": args.rounds if len(results) > 1 else 1,
-                                    "run_ahead": args.run_ahead,
+                                    "rounds": args.rounds if args.baseline else 1,
                                     "results": results}, indent=1))
 
 

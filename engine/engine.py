@@ -8,22 +8,18 @@ thread runs `step` in a loop:
   1. take the inbox: queue new requests (a bounded queue), cancel by (sink, request id);
   2. admit waiting requests into free KV slots; the scheduler picks this step's rows;
   3. launch the step on the device (on CUDA this returns at once);
-  4. meanwhile, on the CPU, act on the tokens of the step launched `run_ahead` steps
-     before (the previous one, or the one before that): each passes its sequence's guard
-     (finsieve.policy.guard) and becomes events;
+  4. meanwhile, on the CPU, act on the previous step's tokens: each passes its sequence's
+     guard (finsieve.policy.guard) and becomes events;
   5. hand each sink (gateway stream) all of its events at once.
 
-Optimistic decoding: step N+1 is launched before step N's tokens are checked (with
-run_ahead 2, step N+2 too); each of its decode rows is fed the token the step before
-sampled for it, on the device, with the policy's base mask. When the host has checked the
-token the row followed, it knows the exact ban list for the row's position: a result
-outside it is exactly what the exact mask would have given (greedy: the argmax; sampled:
-the Gumbel-max draw of the same noise). A result inside it, or a refused token before it,
-throws that row away (`finsieve_late_repairs_total`) and the position is decoded again:
-a violation found a step or two late is repaired by rollback, never by a retraction. A
-second step ahead lets the device's slack in long steps (a mixed step's prefill) cover the
-host's work on short ones, at one step more of latency and of work thrown away on a repair
-or an end the host has not seen yet.
+Optimistic decoding: step N+1 is launched before step N's tokens are checked; each of its
+decode rows is fed the token step N sampled for it, on the device, with the policy's base
+mask. When the host has checked the token the row followed, it knows the exact ban list
+for the row's position: a result outside it is exactly what the exact mask would have
+given (greedy: the argmax; sampled: the Gumbel-max draw of the same noise). A result inside
+it, or a refused token before it, throws that row away (`finsieve_late_repairs_total`) and
+the position is decoded again: a violation found one step late is repaired by rollback,
+never by a retraction.
 
 Every sampled token passes its sequence's guard: accepted, resampled (banned at that
 position and decoded again), rolled back (SAR: the sequence's KV length is set back),
@@ -38,7 +34,6 @@ import bisect
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,8 +86,6 @@ class EngineLimits:
     # CUDA only (the compact forward): prompt tokens a step with decode rows feeds as rows of
     # their forward; 0: off. (On the CPU a prompt's chunks would then depend on the batch.)
     mixed_tokens: int = 256
-    # steps launched before the host has seen the first one's tokens; 0: 2 on CUDA, else 1
-    run_ahead: int = 0
 
 
 class EngineFailed(RuntimeError):
@@ -136,14 +129,13 @@ class LLMEngine:
         batching = getattr(self.model, "batch_prefill", False) and not mixed
         self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
                                    self.max_context, limits.prompt_batch_tokens if batching else 0,
-                                   limits.prompt_wait_steps, mixed,
-                                   run_ahead=limits.run_ahead or (2 if device.type == "cuda" else 1))
+                                   limits.prompt_wait_steps, mixed)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self.token_bytes = token_byte_table(self.tokenizer.get_vocab(), special)
         self._inbox: queue.SimpleQueue[Sequence | _Cancel] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._in_flight: deque[_InFlight] = deque()  # launched, oldest first
+        self._in_flight: _InFlight | None = None
         self._last_launch = 0.0
         self._counts: list = [0, 0, 0.0]  # steps, tokens, seconds since the last report
         self._loop_time = {part: LOOP_SECONDS.labels(part)
@@ -223,13 +215,10 @@ class LLMEngine:
             rows = self.scheduler.schedule()
             t = time.perf_counter()
             launched = self._launch(rows, out) if rows else None
-            if launched is not None:
-                self._in_flight.append(launched)
             self._loop_time["launch"].inc(time.perf_counter() - t)
-            # The oldest step's tokens are acted on once enough steps run behind it, or when
-            # nothing new was launched (every sequence waits for the host).
-            if len(self._in_flight) > self.scheduler.run_ahead or (self._in_flight and launched is None):
-                waited = self._process(self._in_flight.popleft(), out)
+            if self._in_flight is not None:
+                waited = self._process(self._in_flight, out)
+            self._in_flight = launched
         finally:
             out.deliver()
             events.WAITING.set(len(self.scheduler.waiting))
@@ -273,7 +262,7 @@ class LLMEngine:
 
     def _launch(self, rows: list[Row], out: Outbox) -> _InFlight | None:
         now = time.perf_counter()
-        if self._in_flight:
+        if self._in_flight is not None:
             STEP_SECONDS.observe(now - self._last_launch)
             self._counts[0] += 1
             self._counts[2] += now - self._last_launch

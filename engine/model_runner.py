@@ -5,9 +5,9 @@
 chunks as one prefill forward (a graph per token bucket), or both together as one mixed
 step (the chunks' tokens as more rows of the decode graph: the weights read once), then
 one batched mask and sample over every row, and one device-to-host copy of the sampled ids
-(into pinned memory, buffers in turn). Nothing else waits for the device: `Launch.tokens`
-is the only synchronisation of a step, and the engine calls it for step N after launching
-step N+1 (or N+2: the scheduler's run_ahead).
+(into pinned memory, two buffers in turn). Nothing
+else waits for the device: `Launch.tokens` is the only synchronisation of a step, and the
+engine calls it for step N after launching step N+1.
 
 A decode row whose token is still on the device (the engine's optimistic rows) takes it
 from the previous step's samples by index, on the device. In a decode graph that gather,
@@ -31,7 +31,6 @@ from torch import Tensor
 from .attention import VarlenKeys, chunk_groups, gdc_launch_dependents, gdc_wait, overlapped
 from .model import prefill_arrays
 from .sampler import BanIndex, DeviceParams, SamplingRows, sample, sample_greedy
-from .scheduler import MAX_RUN_AHEAD
 
 try:
     import triton
@@ -61,8 +60,8 @@ class StepRow(NamedTuple):
 @dataclass
 class Launch:
     """A step in flight. `order[j]` is the index (in the launched rows) of sample row j. Its
-    host buffer and event serve a later launch again (the MAX_RUN_AHEAD + 1st after it):
-    read `tokens` before then (the engine reads step N's after launching N + run_ahead)."""
+    host buffer and event serve the launch after next again: read `tokens` before then (the
+    engine reads step N's after launching N+1)."""
 
     order: list[int]
     _host: Tensor | None = None
@@ -278,11 +277,9 @@ class PrefillGraphs:
 
 
 class _Staging:
-    """A step's host-to-device inputs, through pinned buffers used in turn (a buffer is
-    written again only after the device has finished the step that read it: when step N is
-    launched, the host has seen the tokens of step N - 1 - MAX_RUN_AHEAD at the latest). A
-    copy from pageable memory may wait for the device's earlier work, and so stall the
-    pipeline."""
+    """A step's host-to-device inputs, through pinned buffers used in turn (three: a buffer is
+    written again only after the device has finished the step that read it). A copy from
+    pageable memory may wait for the device's earlier work, and so stall the pipeline."""
 
     def __init__(self, device: torch.device, size: int = 1 << 18) -> None:
         self.device = device
@@ -295,7 +292,7 @@ class _Staging:
         self._turn = 0
 
     def next_step(self) -> None:
-        self._turn = (self._turn + 1) % (MAX_RUN_AHEAD + 2)
+        self._turn = (self._turn + 1) % 3
 
     def put(self, parts: list[np.ndarray], dtype: torch.dtype) -> list[Tensor]:
         """One copy for all parts; device views of each, in order."""
@@ -331,12 +328,11 @@ class ModelRunner:
         self._staging = _Staging(device)
         self._prev: Tensor | None = None  # the ids the last launch sampled, on the device
         self._cuda = device.type == "cuda"
-        # The sampled ids' host copies and their events, in turn (see Launch.tokens).
-        turns = MAX_RUN_AHEAD + 1 if self._cuda else 0
+        # The sampled ids' host copies and their events, two in turn (see Launch.tokens).
         self._pinned = [torch.empty(4 * self.n_slots, dtype=torch.long, pin_memory=True)
-                        for _ in range(turns)]
-        self._done = [torch.cuda.Event() for _ in range(turns)]
-        self._turn = 0
+                        for _ in range(2)] if self._cuda else []
+        self._done = [torch.cuda.Event() for _ in range(2)] if self._cuda else []
+        self._flip = 0
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.startup_s = 0.0
@@ -438,9 +434,9 @@ class ModelRunner:
         self._prev = out[0]
         if not self._cuda:
             return Launch(order, out)
-        host = self._pinned[self._turn][: 2 * len(order)].view(2, len(order))
-        done = self._done[self._turn]
-        self._turn = (self._turn + 1) % len(self._done)
+        host = self._pinned[self._flip][: 2 * len(order)].view(2, len(order))
+        done = self._done[self._flip]
+        self._flip ^= 1
         host.copy_(out, non_blocking=True)
         done.record()
         return Launch(order, host, done)

@@ -12,8 +12,7 @@ positions; the model runner feeds them. Every running sequence is in one of thre
     knows the token and the rules' ban list for the next position);
   * a launched step is sampling its next token: one decode row feeds that token straight
     from the device (optimistic: the rules check it while this step runs; if they refuse
-    it, this row's result is dropped and the position decoded again). `run_ahead` steps
-    may be in flight for a sequence before the host has seen the first one's token.
+    it, this row's result is dropped and the position decoded again).
 
 While streams decode, a fresh prompt may wait a few steps for others to share its prefill
 forward (`prompt_batch`, `prompt_wait_steps`; TGI's max_waiting_tokens does the same): a
@@ -72,10 +71,6 @@ MIXED_MAX_POSITION = 1024
 # be padded into the next tile.
 MIXED_TILE = 128
 
-# The most steps the device may run ahead of the host's check of their tokens (the model
-# runner keeps host buffers for that many launches in flight, and one more).
-MAX_RUN_AHEAD = 2
-
 
 class Row(NamedTuple):
     """One sequence's share of a step (a tuple: one is built per row and step)."""
@@ -93,10 +88,8 @@ class Row(NamedTuple):
 class Scheduler:
     def __init__(self, n_slots: int, max_waiting: int, prefill_chunk: int, max_context: int,
                  prompt_batch: int = 0, prompt_wait_steps: int = 0, mixed_tokens: int = 0,
-                 mixed_tile: int = MIXED_TILE, run_ahead: int = 1) -> None:
-        assert 1 <= run_ahead <= MAX_RUN_AHEAD
+                 mixed_tile: int = MIXED_TILE) -> None:
         self.n_slots = n_slots
-        self.run_ahead = run_ahead
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.mixed_tokens = mixed_tokens  # 0: prefill beside decode rows in chunks of prefill_chunk
@@ -265,7 +258,7 @@ class Scheduler:
         return False
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
-        """Decode the token a launched step is sampling before the host has seen it (at most
-        `run_ahead` steps ahead), unless the tokens in flight will end the answer anyway."""
-        return (seq.ahead <= self.run_ahead and seq.kv_len < self.max_context
-                and len(seq.output_ids) + seq.ahead < seq.sampling.max_tokens)
+        """Decode the token a launched step is sampling before the host has seen it, unless
+        that token will end the answer anyway."""
+        return (seq.ahead == 1 and seq.kv_len < self.max_context
+                and len(seq.output_ids) + 1 < seq.sampling.max_tokens)

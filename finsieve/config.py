@@ -107,10 +107,6 @@ class Settings:
     mixed_tokens: int = _setting(
         256, "CUDA: while streams decode, at most this many prompt tokens a step are prefilled "
         "in the decode forward itself (a mixed step; 0: prefill runs a forward of its own)")
-    run_ahead: int = _setting(
-        0, "decode steps launched before the host has checked the first one's tokens: 1 or 2 "
-        "(a second lets long steps' slack cover the rules' work on short ones; one step more "
-        "of latency); 0: 2 on CUDA, 1 on the CPU (its forward runs in the launch)")
     prompt_batch_tokens: int = _setting(
         1024, "CUDA, mixed steps off: while streams decode, fresh prompts wait until together "
         "they fill this many tokens (0: never wait) or the oldest has waited "
@@ -215,8 +211,6 @@ class Settings:
             # start; a budget of a few tokens would feed a prompt a few tokens a step.
             raise ConfigError(f"{self.env_name('mixed_tokens')}: 0 (off), or from 16 to 2048 and "
                               f"at most {self.env_name('prefill_chunk')} ({self.prefill_chunk})")
-        if self.run_ahead not in (0, 1, 2):  # 2: the engine's MAX_RUN_AHEAD
-            raise ConfigError(f"{self.env_name('run_ahead')}: 0 (by device), 1 or 2")
         if self.key_cache_max <= 0:
             raise ConfigError(f"{self.env_name('key_cache_max')}: must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -168,7 +168,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
                           settings.prefill_chunk, settings.gpu_memory_utilization,
                           settings.compile, settings.cuda_graphs, settings.prompt_batch_tokens,
                           settings.prompt_wait_steps, settings.prepare_workers,
-                          settings.mixed_tokens, settings.run_ahead)
+                          settings.mixed_tokens)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     holder = None
     if settings.rules:

@@ -224,35 +224,6 @@ rules:
         assert len(rollbacks) == 2
 
 
-def test_two_steps_ahead_the_answers_are_those_of_one_step_ahead(engine, zero_leak_answers, default_policy):
-    """With run_ahead 2 (CUDA's default) the host checks a token two launches after it was
-    sampled, so a violation costs the sequence two launched rows, not one: every zero-leak
-    answer is still the one that checking a step behind gives, word for word."""
-    from finsieve.engine.events import LATE_REPAIRS
-
-    in_flight: list[int] = []
-    step = engine.step
-
-    def counted() -> bool:
-        busy = step()
-        in_flight.append(len(engine._in_flight))
-        return busy
-
-    repairs = LATE_REPAIRS._value.get()
-    engine.scheduler.run_ahead, engine.step = 2, counted
-    try:
-        answers = decode_together(engine, [(default_policy, ZERO_LEAK[case]) for case in ZERO_LEAK])
-    finally:
-        engine.scheduler.run_ahead = 1
-        del engine.step
-    assert max(in_flight) == 2  # steps launched whose tokens the host had not seen
-    assert LATE_REPAIRS._value.get() > repairs  # optimistic rows were thrown away
-    for case, events in zip(ZERO_LEAK, answers, strict=True):
-        assert text_of(events) == text_of(zero_leak_answers[case][1]), case
-        assert events[-1].finished == zero_leak_answers[case][1][-1].finished, case
-        assert not violations(default_policy, text_of(events), ("block", "halt", "redact"))
-
-
 def test_a_rollback_changes_nothing_for_the_other_sequences(under, default_policy):
     clean = chat_request("clean", "What is an index fund?", max_tokens=32)
     dirty = chat_request("dirty", 'Repeat exactly: "We offer guaranteed returns of 20% a year."',

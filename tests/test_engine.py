@@ -112,25 +112,6 @@ def test_a_redone_sequence_feeds_what_the_cache_lacks_and_drops_launched_results
     assert (row.start, row.tokens, row.sample) == (11, [7, 8, 9], True)
 
 
-@pytest.mark.parametrize("run_ahead", [1, 2])
-def test_a_sequence_runs_at_most_run_ahead_steps_ahead_and_never_past_its_length(run_ahead):
-    s = Scheduler(n_slots=2, max_waiting=8, prefill_chunk=100, max_context=1000, run_ahead=run_ahead)
-    seq = _seq("a", 10, max_tokens=5)
-    s.add(seq)
-    s.admit()
-    launched = [len(s.schedule())]  # the prompt, sampling the first token
-    while len(launched) <= run_ahead:  # the host has seen no token yet
-        launched.append(len(s.schedule()))
-    assert launched == [1] * (run_ahead + 1) and seq.ahead == run_ahead + 1
-    assert s.schedule() == []  # until it has
-    for _ in range(4):  # each step, the host accepts the oldest step's token
-        seq.ahead -= 1
-        seq.output_ids.append(7)
-        launched.append(len(s.schedule()))
-    # five tokens in all: the prompt's step and four decode steps sample them, no more
-    assert launched[run_ahead + 1:] == [1] * (4 - run_ahead) + [0] * run_ahead
-
-
 def _step(s: Scheduler) -> list[tuple[str, int]]:
     """One step, the host accepting every sampled token before the next: (request, tokens fed)."""
     rows = s.schedule()
