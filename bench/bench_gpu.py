@@ -1418,6 +1418,47 @@ def run_phase(name: str, args, budget: float) -> dict:
     return data
 
 
+def _tokens_per_s(r: dict) -> dict[tuple[str, int, str], float]:
+    """tokens/s by (path, streams, rules), path one of the table's: inprocess (every stream
+    started at once), steady (each stream starts a new request as one ends), serve, serve-st."""
+    rows = [("inprocess", row) for row in r.get("inprocess", {}).get("levels", [])]
+    rows += [("steady", row) for row in r.get("inprocess", {}).get("steady", [])]
+    rows += [("serve-st" if row.get("steady") else "serve", row)
+             for row in r.get("serve", {}).get("levels", [])]
+    return {(path, row["streams"], row["rules"]): row["tokens_per_s"] for path, row in rows
+            if row.get("tokens_per_s")}
+
+
+def targets(r: dict) -> list[dict]:
+    """Issue #10's targets as measured in this run: what, the figure, the goal and whether
+    it is met (None: not measured). Rules on unless said; at 64 and 128 streams the steady
+    state (in-process: "steady"; through gRPC: "serve-st")."""
+    dev, model = r.get("device", {}), r.get("model", {})
+    bw, peak = dev.get("copy_bandwidth_bytes_s"), dev.get("bf16_matmul_flops")
+    floor = bw / model["weight_bytes_per_step"] if bw and "weight_bytes_per_step" in model else None
+    tps = _tokens_per_s(r)
+    one = tps.get(("serve", 1, "on"))
+    ratios = [on / tps[path, n, "off"] for (path, n, rules), on in tps.items()
+              if rules == "on" and (path, n, "off") in tps]
+    b = r.get("inprocess", {}).get("burst", {})
+    prefill = b.get("prefill_flops_per_s")
+    checks = [
+        ("1 stream through gRPC, share of the batch-1 floor", one and floor and one / floor, 0.85, ">="),
+        ("1 stream through gRPC, tokens/s", one, 250, ">="),
+        ("64 streams in-process, tokens/s", tps.get(("steady", 64, "on")), 10_000, ">="),
+        ("64 streams through gRPC, tokens/s", tps.get(("serve-st", 64, "on")), 8_000, ">="),
+        ("128 streams in-process, tokens/s", tps.get(("steady", 128, "on")), 14_000, ">="),
+        ("rules on / off, the worst row measured both ways", min(ratios, default=None), 0.98, ">="),
+        ("64 requests at once, TTFT p50 ms", b.get("ttft_p50_ms"), 500, "<="),
+        ("64 requests at once, prefill share of the matmul peak", prefill and peak and prefill / peak,
+         0.5, ">="),
+        ("finsieve serve ready, graphs captured, s", r.get("serve", {}).get("ready_s"), 180, "<="),
+    ]
+    return [{"target": name, "measured": value, "goal": goal,
+             "met": None if value is None else value >= goal if op == ">=" else value <= goal}
+            for name, value, goal, op in checks]
+
+
 def table(r: dict) -> str:
     lines = []
     dev, model = r.get("device", {}), r.get("model", {})
@@ -1486,6 +1527,14 @@ def table(r: dict) -> str:
     if "ready_s" in sv:
         lines.append(f"start-up finsieve serve (engine SERVING): {sv['ready_s']:.0f} s; "
                      f"{sv['gateways']} gateway processes, {sv['client_procs']} client processes")
+    lines.append("\nissue #10's targets (for the H200; rules on unless said):")
+    for t in targets(r):
+        value, goal = t["measured"], t["goal"]
+        shown = "not measured" if value is None else f"{value:.1%}" if goal < 1 else f"{value:,.2f}" \
+            if value < 10 else f"{value:,.0f}"
+        verdict = {True: "met", False: "MISSED", None: ""}[t["met"]]
+        lines.append(f"  {t['target']:<56} {shown:>12}  goal {f'{goal:.0%}' if goal < 1 else f'{goal:,}':>7}"
+                     f"  {verdict}")
     for name in PHASES:
         if isinstance(r.get(name), dict) and r[name].get("error"):
             lines.append(f"phase {name}: {r[name]['error'][-300:]}")
@@ -1577,6 +1626,7 @@ def main() -> None:
         print(f"== {name} ({left:.0f} s left)", flush=True)
         results[name] = run_phase(name, args, left - 5)
         out.write_text(json.dumps(results, indent=2))
+    results["targets"] = targets(results)
     print(table(results))
     out.write_text(json.dumps(results, indent=2))
 
