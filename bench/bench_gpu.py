@@ -1529,12 +1529,12 @@ def table(r: dict) -> str:
                      f"{sv['gateways']} gateway processes, {sv['client_procs']} client processes")
     lines.append("\nissue #10's targets (for the H200; rules on unless said):")
     for t in targets(r):
-        value, goal = t["measured"], t["goal"]
-        shown = "not measured" if value is None else f"{value:.1%}" if goal < 1 else f"{value:,.2f}" \
-            if value < 10 else f"{value:,.0f}"
+        share = t["goal"] < 1  # a share of a floor or peak, else tokens/s, ms or s
+        value = "not measured" if t["measured"] is None else \
+            f"{t['measured']:.1%}" if share else f"{t['measured']:,.0f}"
+        goal = f"{t['goal']:.0%}" if share else f"{t['goal']:,}"
         verdict = {True: "met", False: "MISSED", None: ""}[t["met"]]
-        lines.append(f"  {t['target']:<56} {shown:>12}  goal {f'{goal:.0%}' if goal < 1 else f'{goal:,}':>7}"
-                     f"  {verdict}")
+        lines.append(f"  {t['target']:<56} {value:>12}  goal {goal:>7}  {verdict}")
     for name in PHASES:
         if isinstance(r.get(name), dict) and r[name].get("error"):
             lines.append(f"phase {name}: {r[name]['error'][-300:]}")
