@@ -1429,13 +1429,18 @@ def _tokens_per_s(r: dict) -> dict[tuple[str, int, str], float]:
             if row.get("tokens_per_s")}
 
 
+def _floor_tps(r: dict) -> float | None:
+    """The batch-1 floor in tokens/s: the copy rate over the weights' bytes a step."""
+    bw = r.get("device", {}).get("copy_bandwidth_bytes_s")
+    step_bytes = r.get("model", {}).get("weight_bytes_per_step")
+    return bw / step_bytes if bw and step_bytes else None
+
+
 def targets(r: dict) -> list[dict]:
     """Issue #10's targets as measured in this run: what, the figure, the goal and whether
     it is met (None: not measured). Rules on unless said; at 64 and 128 streams the steady
     state (in-process: "steady"; through gRPC: "serve-st")."""
-    dev, model = r.get("device", {}), r.get("model", {})
-    bw, peak = dev.get("copy_bandwidth_bytes_s"), dev.get("bf16_matmul_flops")
-    floor = bw / model["weight_bytes_per_step"] if bw and "weight_bytes_per_step" in model else None
+    peak, floor = r.get("device", {}).get("bf16_matmul_flops"), _floor_tps(r)
     tps = _tokens_per_s(r)
     one = tps.get(("serve", 1, "on"))
     ratios = [on / tps[path, n, "off"] for (path, n, rules), on in tps.items()
@@ -1463,7 +1468,7 @@ def table(r: dict) -> str:
     lines = []
     dev, model = r.get("device", {}), r.get("model", {})
     bw = dev.get("copy_bandwidth_bytes_s")
-    floor_tps = bw / model["weight_bytes_per_step"] if bw and "weight_bytes_per_step" in model else None
+    floor_tps = _floor_tps(r)
     if bw:
         floor = (f"; weights {model['weight_bytes_per_step'] / 1e9:.2f} GB/step -> batch-1 floor "
                  f"{1000 / floor_tps:.2f} ms/step = {floor_tps:.0f} tokens/s" if floor_tps else "")

@@ -65,7 +65,7 @@ def measure(args) -> dict[str, float]:
     rng = random.Random(0)
     vocab = len(engine.token_bytes)
 
-    device_s, last_due = args.device_ms / 1000, [0.0]
+    device_s, last_due = args.device_ms / 1000, 0.0
 
     @dataclass
     class Queued(Launch):
@@ -79,6 +79,7 @@ def measure(args) -> dict[str, float]:
             return super().tokens()
 
     def launch(rows) -> Launch:
+        nonlocal last_due
         order = [i for i, r in enumerate(rows) if r.sample]
         tokens = []
         for i in order:
@@ -89,8 +90,8 @@ def measure(args) -> dict[str, float]:
             tokens.append(token)
         if not device_s:
             return Launch(order, torch.tensor([tokens, tokens]))
-        last_due[0] = max(time.perf_counter(), last_due[0]) + device_s  # after the step before
-        return Queued(order, torch.tensor([tokens, tokens]), due=last_due[0])
+        last_due = max(time.perf_counter(), last_due) + device_s  # after the step before
+        return Queued(order, torch.tensor([tokens, tokens]), due=last_due)
 
     engine.runner.launch = launch
     table = TokenTable.build(engine.token_bytes)
