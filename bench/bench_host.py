@@ -8,10 +8,10 @@ release of final text, the events) is what sets the pace with rules on (bench_gp
 each step at once with uniformly random tokens (as bench_gpu's random model samples),
 `--streams` closed-loop streams of 256-token answers, for three policies: none, an empty
 pack (the guard runs, nothing matches), and the default packs plus 10,000 synthetic
-literals (bench_gpu's "rules on"). Each is timed `--repeats` times; the best counts (the
-machine's other work only adds). Request preparation is not counted. `--baseline REV` runs
-the same measurement on another revision (a git worktree) in the same run, the two trees
-in turn `--rounds` times. Prints a table and writes JSON.
+literals (bench_gpu's "rules on"). Each is timed `--repeats` times, on new tokens each
+time; the best counts (the machine's other work only adds). Request preparation is not
+counted. `--baseline REV` runs the same measurement on another revision (a git worktree) in
+the same run, the two trees in turn `--rounds` times. Prints a table and writes JSON.
 
 `--device-ms MS`: each step's tokens are ready MS milliseconds after the previous step's
 (a device queue; the wait spins, as a CUDA event's does), so the loop's work overlaps a
@@ -102,9 +102,9 @@ def measure(args) -> dict[str, float]:
     texts = prompts(str(TOKENIZER), 128, True)
     settle_heap()  # as a serving engine does
 
-    def run(policy) -> float:
+    def run(policy, seed: int) -> float:
         engine.policy = lambda: policy
-        rng.seed(0)
+        rng.seed(seed)  # new tokens each repeat: the same ones again would hit the memos
         live: dict[int, CollectingSink] = {}
         prepared = 0.0
 
@@ -132,7 +132,8 @@ def measure(args) -> dict[str, float]:
         tokens = engine._counts[1] - accepted
         return 1e6 * (time.perf_counter() - start - prepared) / tokens
 
-    return {name: min(run(policy) for _ in range(args.repeats)) for name, policy in policies.items()}
+    return {name: min(run(policy, seed) for seed in range(args.repeats))
+            for name, policy in policies.items()}
 
 
 def baseline_tree(rev: str, into: Path) -> Path:

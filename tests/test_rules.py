@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from finsieve.policy.guard import Guard, Policy, Verdict
 from finsieve.policy.matcher import StreamMatcher, scan_text
 from finsieve.policy.normalize import Normalizer, fold, normalize
-from finsieve.policy.pack import Pack
+from finsieve.policy.pack import Literals, Pack
 from finsieve.policy.schema import PackError
 from finsieve.policy.utf8 import replaced
 from finsieve.policy.validators import cn_resident_id, iban_mod97, luhn
@@ -333,6 +333,34 @@ TEXT = st.lists(
     ]),
     max_size=12,
 ).map("".join)
+
+
+# Patterns that begin, end and contain one another.
+_NESTED = ("ab", "abc", "abcd", "bc", "bcab", "cab", "ca", "d", "aaa", "a b")
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abcd ", max_size=30), cuts=st.lists(st.integers(1, 5), max_size=30))
+def test_a_literal_scan_piece_by_piece_finds_each_occurrence_once_and_the_live_suffix(text, cuts):
+    """Literals.scan, fed a text in pieces with the live suffix it returned before, reports
+    every occurrence of every pattern once, where it ends, in the automaton's order (by end,
+    the longest first), and returns the longest suffix that is a proper prefix of a pattern:
+    what the matcher holds back."""
+    literals = Literals({p: (p, ()) for p in _NESTED})
+    found, live, pos = [], "", 0
+    for n in itertools.chain(cuts, itertools.repeat(5)):
+        if pos >= len(text):
+            break
+        new = text[pos : pos + n]
+        hits, live = literals.scan(live, new)
+        assert [(end, -len(p)) for end, p, _ in hits] == sorted((end, -len(p)) for end, p, _ in hits)
+        found += [(pos + end, p) for end, p, _ in hits]
+        pos += len(new)
+        seen = text[:pos]
+        assert live == next((seen[i:] for i in range(len(seen))
+                             if any(p.startswith(seen[i:]) and p != seen[i:] for p in _NESTED)), "")
+    assert sorted(found) == sorted((i + len(p) - 1, p) for p in _NESTED
+                                   for i in range(len(text)) if text.startswith(p, i))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -216,10 +216,9 @@ class StreamMatcher:
             return
         # A match that ends in the new text and begins before it begins with a live suffix
         # of the text before it: no longer than `depth`. So each feed scans that suffix + new.
-        live = self._tail
-        hits, self._tail = literals.scan(live, new)
+        hits, self._tail = literals.scan(self._tail, new)
         if hits:
-            end_base = len(self.norm.text) - len(new) - len(live) + 1
+            end_base = len(self.norm.text) - len(new) + 1
             scripts = literals.scripts
             for end, pattern, owners in hits:
                 end_excl = end_base + end
