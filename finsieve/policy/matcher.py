@@ -5,10 +5,11 @@ byte offset before which no match can start any more. Everything before it may b
 released to the client; the rest is held back. It keeps a checkpoint per token, so a
 rollback (SAR) to an earlier token is cheap.
 
-Literals: pyahocorasick run over the new normalized characters and the few before them that
-a match ending in them could begin with, plus the depth of the longest live suffix (the
-longest suffix of the text that still begins a pattern). So a rollback only restores that
-tail.
+Literals: the matches ending in the new normalized characters and the depth of the longest
+live suffix (the longest suffix of the text that still begins a pattern). Those within the
+new characters alone come from pyahocorasick, memoized by those characters; those that begin
+before them begin in the live suffix, and a walk of the trie from each of its characters
+finds them (Literals.scan). So a rollback only restores that tail.
 Regexes: searched with partial matching over a bounded window; a complete match that
 could still grow into a longer one (the rest of the text is a prefix of a match from the
 same start) is held until it is settled.
