@@ -17,7 +17,9 @@ the same run, the two trees in turn `--rounds` times. Prints a table and writes 
 (a device queue; the wait spins, as a CUDA event's does), so the loop's work overlaps a
 device step as on a GPU: the figure is then the wall time per token, and on / none the
 throughput the rules cost. Uniformly random tokens are the rules' worst case (their memos
-of a token's text rarely hit), as the GPU benchmark's random model is.
+of a token's text rarely hit), as the GPU benchmark's random model is; `--text`: each
+stream's tokens are the clean corpus's (tests/data/clean_corpus.txt) from an offset of its
+own, text whose words recur (a token rejected by the bans is replaced by a random one).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / ".finsieve/models/SmolLM2-135M-Instruct"
+CORPUS = REPO / "tests/data/clean_corpus.txt"
 POLICIES = ("none", "empty pack", "rules on")
 
 
@@ -64,6 +67,9 @@ def measure(args) -> dict[str, float]:
                                     max_waiting=1024, prepare_workers=0), cpu)
     rng = random.Random(0)
     vocab = len(engine.token_bytes)
+    # --text: each stream's tokens are the clean corpus's, from an offset of its own.
+    corpus = engine.tokenizer(CORPUS.read_text(), add_special_tokens=False)["input_ids"] \
+        if args.text else []
 
     device_s, last_due = args.device_ms / 1000, 0.0
 
@@ -83,8 +89,10 @@ def measure(args) -> dict[str, float]:
         order = [i for i, r in enumerate(rows) if r.sample]
         tokens = []
         for i in order:
-            banned = set(rows[i].bans)
-            token = rng.randrange(vocab)
+            row = rows[i]
+            banned = set(row.bans)
+            token = (corpus[(7919 * row.slot + row.start + len(row.tokens)) % len(corpus)]
+                     if corpus else rng.randrange(vocab))
             while token in banned:
                 token = rng.randrange(vocab)
             tokens.append(token)
@@ -166,7 +174,7 @@ def measure_in(tree: Path, args) -> dict[str, float]:
     """This script's measurement with `tree`'s finsieve imported first."""
     cmd = [sys.executable, __file__, "--measure", "--streams", str(args.streams), "--steps",
            str(args.steps), "--repeats", str(args.repeats), "--work", args.work,
-           "--device-ms", str(args.device_ms)]
+           "--device-ms", str(args.device_ms), *(["--text"] if args.text else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": f"{tree}:{REPO}"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -179,6 +187,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="a step's device time: the loop overlaps it (0: tokens at once)")
+    ap.add_argument("--text", action="store_true",
+                    help="tokens from the clean corpus instead of uniformly random ones")
     ap.add_argument("--baseline", help="git revision to measure beside this tree")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --baseline: the trees measured in turn this many times")
@@ -202,7 +212,7 @@ def main() -> None:
                                capture_output=True)
     rounds = f" x {args.rounds} rounds" if args.baseline else ""
     what = (f"wall us per token with a {args.device_ms:g} ms device step" if args.device_ms
-            else "engine host work, us per token")
+            else "engine host work, us per token") + (", the corpus's tokens" if args.text else "")
     print(f"\n{what}, {args.streams} streams (best of {args.repeats}{rounds})")
     print(f"{'':12}" + "".join(f"{p:>12}" for p in POLICIES) + f"{'on / none':>12}")
     for name, row in results.items():
@@ -213,7 +223,7 @@ def main() -> None:
         print(f"{'ratio':12}" + "".join(f"{ours[p] / base[p]:11.2f}x" for p in POLICIES))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"streams": args.streams, "steps": args.steps,
-                                    "device_ms": args.device_ms,
+                                    "device_ms": args.device_ms, "text": args.text,
                                     "repeats": args.repeats,
                                     "rounds": args.rounds if args.baseline else 1,
                                     "results": results}, indent=1))
