@@ -52,8 +52,8 @@ class Literals:
             a for a, b in itertools.pairwise(self.keys) if b.startswith(a)
         )
         self.max_len = max((len(p) for p in self.keys), default=0)
-        # Per token, the mask asks for the live depth of a short suffix; the
-        # same suffixes come back again and again, so answers are kept (bounded; thread-safe).
+        # Per token, the mask asks for the live depth of a short suffix; the same suffixes
+        # come back again and again, so answers are kept (bounded; thread-safe).
         self._suffix_depth: dict[str, int] = {}
         # A token's own hits and live depth (see scan), kept for token-sized texts.
         self._alone: dict[str, tuple[Hits, int]] = {}
@@ -114,6 +114,9 @@ class Literals:
         found = self._alone.get(new)
         if found is None:
             assert self.automaton is not None
+            # A fresh iterator per scan: pyahocorasick's `iter.set()` frees memory it does not
+            # own when the strings fed to one iterator differ in width (an emoji, then ASCII),
+            # which crashed the engine for everyone.
             hits = tuple((end, pattern, owners)
                          for end, (pattern, owners) in self.automaton.iter(new))
             # A live suffix is shorter than the longest pattern.
