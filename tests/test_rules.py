@@ -335,12 +335,16 @@ TEXT = st.lists(
 ).map("".join)
 
 
-# Patterns that begin, end and contain one another.
-_NESTED = ("ab", "abc", "abcd", "bc", "bcab", "cab", "ca", "d", "aaa", "a b")
+# Patterns that begin, end and contain one another; two longer than the live suffix that
+# Literals.scan walks (WALK_CHARS).
+_NESTED = ("ab", "abc", "abcd", "bc", "bcab", "cab", "ca", "d", "aaa", "a b", "ab" * 10,
+           "ab" * 9 + "c")
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="abcd ", max_size=30), cuts=st.lists(st.integers(1, 5), max_size=30))
+@given(text=st.lists(st.sampled_from(["a", "b", "c", "d", " ", "ab", "abab" * 3]),
+                     max_size=16).map("".join),
+       cuts=st.lists(st.integers(1, 5), max_size=30))
 def test_a_literal_scan_piece_by_piece_finds_each_occurrence_once_and_the_live_suffix(text, cuts):
     """Literals.scan, fed a text in pieces with the live suffix it returned before, reports
     every occurrence of every pattern once, where it ends, in the automaton's order (by end,

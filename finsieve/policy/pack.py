@@ -20,6 +20,9 @@ from .sources import DEFAULT_LIMITS, PackLimits
 
 FORMAT = 1  # bump when compilation changes what a version means
 MEMO_CHARS = 64  # longest text whose answers are memoized (entries are bounded in number)
+# Longest live suffix that Literals.scan walks from each character of; past it, one pass of
+# the automaton over the whole text costs less (a walk per character is quadratic in it).
+WALK_CHARS = 16
 
 
 # Literals.scan's answer: ((end, pattern, owners), ...) and the live suffix after them.
@@ -86,6 +89,8 @@ class Literals:
         so what begins in `live` is found by a walk of the trie from each of its characters:
         a match or live suffix that begins there begins with a suffix of `live` that is a
         trie node, and `longest_prefix` says in one call how far the walk gets."""
+        if len(live) > WALK_CHARS:
+            return self._scan_whole(live, new)
         alone, depth = self._scan_alone(new)
         if not live:
             return alone, new[len(new) - depth :] if depth else ""
@@ -113,17 +118,25 @@ class Literals:
         """The matches in `new` and the depth of its longest live suffix (see scan)."""
         found = self._alone.get(new)
         if found is None:
-            assert self.automaton is not None
-            # A fresh iterator per scan: pyahocorasick's `iter.set()` frees memory it does not
-            # own when the strings fed to one iterator differ in width (an emoji, then ASCII),
-            # which crashed the engine for everyone.
-            hits = tuple((end, pattern, owners)
-                         for end, (pattern, owners) in self.automaton.iter(new))
-            # A live suffix is shorter than the longest pattern.
-            found = (hits, self._longest_live_suffix(new[max(0, len(new) - self.max_len + 1) :]))
+            hits, live = self._scan_whole("", new)
+            found = (hits, len(live))
             if len(new) <= MEMO_CHARS:
                 remember(self._alone, new, found, 1 << 16)
         return found
+
+    def _scan_whole(self, live: str, new: str) -> Scan:
+        """scan, by one pass of the automaton over live + new."""
+        assert self.automaton is not None
+        text = live + new
+        # A fresh iterator per scan: pyahocorasick's `iter.set()` frees memory it does not
+        # own when the strings fed to one iterator differ in width (an emoji, then ASCII),
+        # which crashed the engine for everyone.
+        hits = tuple((end - len(live), pattern, owners)
+                     for end, (pattern, owners) in self.automaton.iter(text)
+                     if end >= len(live))  # one that ended in `live` was reported when it was fed
+        # A live suffix is shorter than the longest pattern.
+        depth = self._longest_live_suffix(text[max(0, len(text) - self.max_len + 1) :])
+        return hits, text[len(text) - depth :] if depth else ""
 
     def _longest_live_suffix(self, text: str) -> int:
         for length in range(len(text), 0, -1):
