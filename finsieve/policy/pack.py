@@ -88,7 +88,8 @@ class Literals:
         The pairs (live, new) rarely recur (on uniformly random tokens 93 in 100 were new),
         so what begins in `live` is found by a walk of the trie from each of its characters:
         a match or live suffix that begins there begins with a suffix of `live` that is a
-        trie node, and `longest_prefix` says in one call how far the walk gets."""
+        trie node, and `longest_prefix` says in one call how far the walk gets. A `live`
+        longer than WALK_CHARS: one pass of the automaton over live + new instead."""
         if len(live) > WALK_CHARS:
             return self._scan_whole(live, new)
         alone, depth = self._scan_alone(new)
