@@ -26,7 +26,8 @@ WALK_CHARS = 16
 
 
 # Literals.scan's answer: ((end, pattern, owners), ...) and the live suffix after them.
-Hits = tuple[tuple[int, str, tuple[Rule, ...]], ...]
+Hit = tuple[int, str, tuple[Rule, ...]]
+Hits = tuple[Hit, ...]
 Scan = tuple[Hits, str]
 
 
@@ -98,7 +99,7 @@ class Literals:
         a = self.automaton
         assert a is not None
         text, n_live = live + new, len(live)
-        crossing: list[tuple[int, str, tuple[Rule, ...]]] = []
+        crossing: list[Hit] = []
         deepest = 0
         for j in range(n_live):
             rest = text[j:]
@@ -107,8 +108,7 @@ class Literals:
                 found = a.get(rest[:length], None)
                 if found is not None:
                     crossing.append((j + length - 1 - n_live, *found))
-            if not deepest and reach == len(rest) and (rest in self.proper_prefixes
-                                                       or not a.exists(rest)):
+            if not deepest and reach == len(rest) and self.is_live(rest):
                 deepest = len(rest)  # the first found begins earliest: the longest
         if crossing:  # in the automaton's order: by end, the longest first
             alone = tuple(sorted((*crossing, *alone), key=lambda h: (h[0], -len(h[1]))))
@@ -135,8 +135,7 @@ class Literals:
         hits = tuple((end - len(live), pattern, owners)
                      for end, (pattern, owners) in self.automaton.iter(text)
                      if end >= len(live))  # one that ended in `live` was reported when it was fed
-        # A live suffix is shorter than the longest pattern.
-        depth = self._longest_live_suffix(text[max(0, len(text) - self.max_len + 1) :])
+        depth = self.depth(text)
         return hits, text[len(text) - depth :] if depth else ""
 
     def _longest_live_suffix(self, text: str) -> int:
