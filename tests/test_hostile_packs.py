@@ -29,7 +29,7 @@ from finsieve.policy.matcher import (
 )
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
-from finsieve.policy.schema import PackError
+from finsieve.policy.schema import MAX_LITERAL_CHARS, PackError
 from finsieve.policy.sources import PackLimits
 from finsieve.serve import ENGINE_SWITCH_INTERVAL_S
 from finsieve.v1 import chat_pb2
@@ -134,6 +134,22 @@ def test_regex_size_and_nesting_are_bounded(tmp_path, pattern, why):
     problems = rejected(tmp_path)
     assert len(problems) == 1 and problems[0].startswith("re.yaml:5: r1: patterns: ")
     assert why in problems[0] and len(problems[0]) < 600
+
+
+def test_a_literal_past_the_bound_is_refused_and_one_at_it_still_matches(tmp_path):
+    """Old: a literal had no bound but the pack's size. The automaton walks a pattern's
+    failure links at each character, so a long periodic literal made every token of text
+    following it cost in proportion to its length, on the decode loop that all streams share
+    (4,001 characters: 1.8 ms a token)."""
+    longest = "ab" * (MAX_LITERAL_CHARS // 2)
+    (tmp_path / "a.yaml").write_text(rule(pattern=f"'{longest}'") + RULE.format(
+        id="r2", kind="literal", pattern=f"'{longest}c'", action="block"))
+    (problem,) = rejected(tmp_path)
+    assert problem.startswith("a.yaml:10: r2: patterns: 'abab") and len(problem) < 600
+    assert f"normalizes to {MAX_LITERAL_CHARS + 1} characters (at most {MAX_LITERAL_CHARS}" in problem
+    (tmp_path / "a.yaml").write_text(rule(pattern=f"'{longest}'"))
+    matcher = StreamMatcher(Pack.load(tmp_path).output)  # the longest a pack may hold
+    assert matcher.feed(longest.encode())[0].rule.id == "r1"  # still found
 
 
 def test_control_characters_are_a_problem_with_a_line(tmp_path):

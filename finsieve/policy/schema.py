@@ -34,6 +34,11 @@ _UNBOUNDED = 1 << 30
 MAX_REGEX_CHARS = 8192
 MAX_REGEX_DEPTH = 32
 MAX_DEFINITION_DEPTH = 16
+# A literal, normalized. The automaton's search walks a pattern's failure links at every
+# character it reads, so a long periodic literal ("abab…c") costs per token in proportion to
+# its length on text that follows it (a 4,001-character one: 1.8 ms a token on the decode
+# loop, every stream's; 513 characters: 78 us; 257: 23).
+MAX_LITERAL_CHARS = 256
 # \G: a backslash that no backslash escapes (an odd run of them) before a G
 _SEARCH_START_ANCHOR = re.compile(r"(?<!\\)(?:\\\\)*\\G")
 
@@ -288,6 +293,9 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
             norm = normalize_pattern(p)
             if p.strip() and not norm:
                 problem("patterns", f"{p!r} is empty once normalized")
+            elif len(norm) > MAX_LITERAL_CHARS:
+                problem("patterns", f"{_show(p)} normalizes to {len(norm)} characters "
+                        f"(at most {MAX_LITERAL_CHARS}; a regex takes longer text)")
             compiled.append(norm)
         if max_span is None:
             max_span = max((len(p) for p in compiled), default=0)
