@@ -17,6 +17,8 @@ same start) is held until it is settled.
 
 from __future__ import annotations
 
+import bisect
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +103,7 @@ class _Checkpoint(NamedTuple):
 
 
 _new_checkpoint = tuple.__new__
+_raw_len = operator.attrgetter("raw_len")
 
 
 class StreamMatcher:
@@ -176,10 +179,13 @@ class StreamMatcher:
     def clean_boundary_before(self, offset: int) -> int:
         """The last token count whose boundary is at or before raw `offset` and splits no
         UTF-8 character: where text may be released up to, or decoding rolled back to."""
-        k = len(self._checkpoints) - 1
-        while k > 0 and (self._checkpoints[k].raw_len > offset or self._checkpoints[k].pending):
+        # Raw lengths never decrease: a search, not a walk back (text held since far back,
+        # such as a run of spaces after a CJK character, had each release walk it all).
+        checkpoints = self._checkpoints
+        k = bisect.bisect_right(checkpoints, offset, key=_raw_len) - 1
+        while k > 0 and checkpoints[k].pending:  # inside a character: a few bytes at most
             k -= 1
-        return k
+        return max(k, 0)
 
     def rollback(self, tokens: int) -> None:
         """Return to the state after the first `tokens` tokens (drops later matches too)."""
