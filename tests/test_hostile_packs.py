@@ -29,7 +29,7 @@ from finsieve.policy.matcher import (
 )
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
-from finsieve.policy.schema import MAX_LITERAL_CHARS, PackError
+from finsieve.policy.schema import MAX_SPAN, PackError
 from finsieve.policy.sources import PackLimits
 from finsieve.serve import ENGINE_SWITCH_INTERVAL_S
 from finsieve.v1 import chat_pb2
@@ -141,15 +141,35 @@ def test_a_literal_past_the_bound_is_refused_and_one_at_it_still_matches(tmp_pat
     failure links at each character, so a long periodic literal made every token of text
     following it cost in proportion to its length, on the decode loop that all streams share
     (4,001 characters: 1.8 ms a token)."""
-    longest = "ab" * (MAX_LITERAL_CHARS // 2)
+    longest = "ab" * (MAX_SPAN // 2)
     (tmp_path / "a.yaml").write_text(rule(pattern=f"'{longest}'") + RULE.format(
         id="r2", kind="literal", pattern=f"'{longest}c'", action="block"))
     (problem,) = rejected(tmp_path)
     assert problem.startswith("a.yaml:10: r2: patterns: 'abab") and len(problem) < 600
-    assert f"normalizes to {MAX_LITERAL_CHARS + 1} characters (at most {MAX_LITERAL_CHARS}" in problem
+    assert f"normalizes to {MAX_SPAN + 1} characters (at most {MAX_SPAN})" in problem
     (tmp_path / "a.yaml").write_text(rule(pattern=f"'{longest}'"))
     matcher = StreamMatcher(Pack.load(tmp_path).output)  # the longest a pack may hold
     assert matcher.feed(longest.encode())[0].rule.id == "r1"  # still found
+
+
+@pytest.mark.parametrize(("pattern", "span", "why"), [
+    (r"\d[\d ]*\d", MAX_SPAN + 1, f"max_span: must be a positive number of characters, at most {MAX_SPAN}"),
+    (f"x{{1,{MAX_SPAN + 1}}}", None,
+     f"max_span: required: a pattern can match up to {MAX_SPAN + 1} characters"),
+    (f"x{{1,{MAX_SPAN}}}", None, ""),
+    (r"\d[\d ]*\d", MAX_SPAN, ""),
+])
+def test_a_regex_looks_for_matches_of_at_most_the_bound(tmp_path, pattern, span, why):
+    """Old: max_span had no bound. A match that its validators reject is searched again from
+    the next character, each search and check as long as the span: a 1,000-digit run that
+    Luhn rejects cost 70 ms in the token that ended it, on the loop all streams share."""
+    extra = f"    max_span: {span}\n" if span else ""
+    (tmp_path / "re.yaml").write_text(rule(kind="regex", pattern=f"'{pattern}'", extra=extra))
+    if why:
+        (problem,) = rejected(tmp_path)
+        assert problem.startswith("re.yaml:") and why in problem, problem
+    else:
+        assert Pack.load(tmp_path).output.regexes[0].max_span == MAX_SPAN
 
 
 def test_control_characters_are_a_problem_with_a_line(tmp_path):

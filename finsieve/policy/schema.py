@@ -34,11 +34,14 @@ _UNBOUNDED = 1 << 30
 MAX_REGEX_CHARS = 8192
 MAX_REGEX_DEPTH = 32
 MAX_DEFINITION_DEPTH = 16
-# A literal, normalized. The automaton's search walks a pattern's failure links at every
-# character it reads, so a long periodic literal ("abab…c") costs per token in proportion to
-# its length on text that follows it (a 4,001-character one: 1.8 ms a token on the decode
-# loop, every stream's; 513 characters: 78 us; 257: 23).
-MAX_LITERAL_CHARS = 256
+# The longest match a rule may look for, in normalized characters: a literal's length, a
+# regex's max_span. Per token the matcher's work grows with it: the automaton walks a
+# literal's failure links at each character it reads (a periodic 4,001-character literal
+# cost 1.8 ms a token on the decode loop that every stream shares; 513 characters: 78 us;
+# 257: 23), and a regex match rejected by its validators is searched again from the next
+# character, each search as long as the span (a run of digits that Luhn rejects, 1,000
+# characters: 70 ms in the token that ends it; 256: 4 ms).
+MAX_SPAN = 256
 # \G: a backslash that no backslash escapes (an odd run of them) before a G
 _SEARCH_START_ANCHOR = re.compile(r"(?<!\\)(?:\\\\)*\\G")
 
@@ -281,8 +284,8 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
     if validators and kind == "literal":
         problem("validators", "only regex rules take validators")
     max_span = get("max_span", int)
-    if max_span is not None and max_span <= 0:
-        problem("max_span", "must be a positive number of characters")
+    if max_span is not None and not 0 < max_span <= MAX_SPAN:
+        problem("max_span", f"must be a positive number of characters, at most {MAX_SPAN}")
     locales = strings("locales") or []
     enabled = get("enabled", bool, True)
     message = get("message", str, "")
@@ -293,9 +296,9 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
             norm = normalize_pattern(p)
             if p.strip() and not norm:
                 problem("patterns", f"{p!r} is empty once normalized")
-            elif len(norm) > MAX_LITERAL_CHARS:
+            elif len(norm) > MAX_SPAN:
                 problem("patterns", f"{_show(p)} normalizes to {len(norm)} characters "
-                        f"(at most {MAX_LITERAL_CHARS}; a regex takes longer text)")
+                        f"(at most {MAX_SPAN})")
             compiled.append(norm)
         if max_span is None:
             max_span = max((len(p) for p in compiled), default=0)
@@ -329,6 +332,10 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
                         "(give the longest match to look for, in characters)")
             else:
                 max_span = max(w for w in widths if w is not None)
+                if max_span > MAX_SPAN:
+                    problem("max_span", f"required: a pattern can match up to {max_span} "
+                            f"characters, more than {MAX_SPAN} (give the longest match to "
+                            f"look for, at most {MAX_SPAN})")
     if len(problems) > start or not enabled:
         return None, rule_id
     return Rule(
