@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from finsieve.client import chat_request
+from finsieve.policy.guard import ACCEPT, Guard, Policy, Verdict
 from finsieve.policy.matcher import (
     HELD_CHARS,
     MAX_WAIT_S,
@@ -318,6 +319,32 @@ def test_a_backtracking_regex_times_out_and_counts_as_a_match(tmp_path, pattern,
     found += matcher.finish()
     assert found and found[0].rule.id == "slow"
     assert REGEX_TIMEOUTS.labels("slow")._value.get() > before
+
+
+def test_a_search_that_times_out_halts_the_stream_whatever_the_action(tmp_path):
+    """Old: a search past its timeout counted as a match and nothing more: under a redact
+    rule the answer went on, and each later token was searched again and timed out again
+    (four such rules: ~16 ms a token on the loop that all streams share). Now the stream
+    halts on the first, and the rules after it are not searched in that token."""
+    slow = [RULE.format(id=f"slow{i}", kind="regex", pattern="'(a|aa)+b'", action="redact")
+            + "    replacement: '[X]'\n    max_span: 100\n" for i in range(3)]
+    (tmp_path / "a.yaml").write_text("rules:\n" + "".join(slow))
+    pack = Pack.load(tmp_path, PackLimits(regex_timeout_s=0.02))
+
+    def timeouts() -> float:
+        return sum(REGEX_TIMEOUTS.labels(f"slow{i}")._value.get() for i in range(3))
+
+    guard = Guard(Policy(pack, None, pack.version), [b"aaa"])
+    before = timeouts()
+    for _ in range(40):  # past ~20 a's, the partial search tries too many ways to cut them
+        decision = guard.check(0)
+        if decision is not ACCEPT:
+            break
+    assert timeouts() - before == 1
+    assert decision.verdict is Verdict.HALT and decision.match.timed_out
+    text, event = guard.halt(decision)
+    assert (event.rule_id, event.action) == ("slow0", "halt") and text == ""
+    assert "FINSIEVE_REGEX_TIMEOUT_MS" in event.message
 
 
 def test_a_regex_that_does_not_time_out_matches_as_before(tmp_path):

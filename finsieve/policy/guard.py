@@ -164,6 +164,9 @@ class Guard:
     def _decide(self, found: list[Match], before: int, resample_ok: bool) -> Decision:
         if not found:  # most tokens
             return ACCEPT
+        late = next((m for m in found if m.timed_out), None)
+        if late is not None:  # fail closed, and once: searched on, it would time out each token
+            return Decision(Verdict.HALT, match=late)
         acting = [m for m in found if m.rule.action != "redact"]
         if not acting:
             return ACCEPT
@@ -212,8 +215,12 @@ class Guard:
         end = min(self._release_point(), m.start)
         text = self._take(end)
         suppressed = bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace")
-        reason = m.rule.message if m.rule.action == "halt" else "too many rollbacks"
-        return text, Intervention(m.rule.id, m.rule.action, self.delivered_chars,
+        if m.timed_out:
+            action, reason = "halt", "a search of this rule ran out of time (FINSIEVE_REGEX_TIMEOUT_MS)"
+        else:
+            action = m.rule.action
+            reason = m.rule.message if action == "halt" else "too many rollbacks"
+        return text, Intervention(m.rule.id, action, self.delivered_chars,
                                   self.delivered_chars, message=reason, suppressed=suppressed)
 
     # -- releasing text -------------------------------------------------------------------

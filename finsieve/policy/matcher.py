@@ -88,6 +88,9 @@ class Match:
     norm_start: int  # … and normalized character offsets
     norm_end: int
     text: str  # the normalized text that matched
+    # A regex search past the rules' timeout: counted as a match from where it began to the
+    # end of the text (fail closed); the guard halts the stream on it, whatever the action.
+    timed_out: bool = False
 
 
 class _Checkpoint(NamedTuple):
@@ -266,8 +269,10 @@ class StreamMatcher:
         # or executor thread runs (measured beside a busy thread: 1,500 searches/s instead
         # of 90,000). A whole text, off the loop: see within_cpu_budget.
         concurrent = None if len(window) > self._window_len else False
+        streaming = self._deadline is None
         for i, pos in active.items():
-            self._search(i, pos, window, base, final, found, concurrent)
+            if not self._search(i, pos, window, base, final, found, concurrent) and streaming:
+                return  # streaming, the stream halts on it: the other searches are not paid for
 
     def _budgeted(self, call: Callable[..., T]) -> Callable[..., T]:
         """call, for a whole text: retried within its CPU budget until the deadline (see
@@ -280,8 +285,9 @@ class StreamMatcher:
         return search
 
     def _search(self, i: int, pos: int, window: str, base: int, final: bool,
-                found: list[Match], concurrent: bool | None) -> None:
-        """Report regex i's settled matches from pos on; remember one still in the making."""
+                found: list[Match], concurrent: bool | None) -> bool:
+        """Report regex i's settled matches from pos on; remember one still in the making.
+        False: a search timed out."""
         r = self.rules.regexes[i]
         # Every search has the rules' timeout (TimeoutError: fail closed). Streaming, on the
         # decode loop, a search is called directly (never retried): one call per search.
@@ -302,7 +308,7 @@ class StreamMatcher:
                     m = search(window, pos=pos - base, partial=not final, timeout=timeout,
                                concurrent=concurrent)
                 if m is None:
-                    return
+                    return True
                 s, e = m.start() + base, m.end() + base
                 # `regex` prefers a complete match to a partial one: "15%" is complete in
                 # "15% and", but "gb82 west 1234 " may still become a longer IBAN.
@@ -311,8 +317,8 @@ class StreamMatcher:
                     concurrent=concurrent) is not None)
             except TimeoutError:  # a pattern that backtracks: fail closed, as a match of the rest
                 REGEX_TIMEOUTS.labels(r.rule.id).inc()
-                found.append(self._match(r.rule, pos, n))
-                return
+                found.append(self._match(r.rule, pos, n, timed_out=True))
+                return False
             if growing:
                 # Longer than the rule allows (plus one character that a lookahead or
                 # \b may need to settle it): it never matches.
@@ -321,7 +327,7 @@ class StreamMatcher:
                     continue
                 if s < n:
                     self._in_making[i] = s
-                return
+                return True
             if e == s:  # an empty match says nothing
                 pos = s + 1
                 continue
@@ -332,10 +338,11 @@ class StreamMatcher:
                 pos = e
             else:
                 pos = s + 1  # not a real identifier, or foreign text; one may start later
+        return True
 
     # -- bookkeeping --------------------------------------------------------------------
 
-    def _match(self, rule: Rule, start: int, end: int) -> Match:
+    def _match(self, rule: Rule, start: int, end: int, timed_out: bool = False) -> Match:
         m = Match(
             rule=rule,
             start=self.norm.raw_start[start],
@@ -343,6 +350,7 @@ class StreamMatcher:
             norm_start=start,
             norm_end=end,
             text="".join(self.norm.text[start:end]),
+            timed_out=timed_out,
         )
         self.matches.append(m)
         return m
