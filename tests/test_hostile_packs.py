@@ -30,7 +30,7 @@ from finsieve.policy.matcher import (
 )
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
-from finsieve.policy.schema import MAX_REGEXES, MAX_SPAN, PackError
+from finsieve.policy.schema import MAX_NESTED, MAX_REGEXES, MAX_SPAN, PackError
 from finsieve.policy.sources import PackLimits
 from finsieve.serve import ENGINE_SWITCH_INTERVAL_S
 from finsieve.v1 import chat_pb2
@@ -183,6 +183,17 @@ def test_the_regex_patterns_of_a_pack_are_bounded(tmp_path):
     (tmp_path / "b.yaml").write_text(rule(id="r2", kind="regex", pattern="'one more'"))
     assert rejected(tmp_path) == [
         f"b.yaml:2: r2: patterns: the pack has more than {MAX_REGEXES} regex patterns"]
+
+
+def test_literals_that_end_one_another_are_bounded(tmp_path):
+    """Old: unbounded. "x", "xx", … each add a match at every character of "xxxx…": 256 of
+    them cost 9 ms a token."""
+    (tmp_path / "a.yaml").write_text(rule(pattern=", ".join("x" * n for n in range(1, MAX_NESTED + 1))))
+    assert len(Pack.load(tmp_path).output.literals.keys) == MAX_NESTED
+    (tmp_path / "b.yaml").write_text(rule(id="r2", pattern="'a " + "x" * MAX_NESTED + "'"))
+    (problem,) = rejected(tmp_path)
+    assert problem.startswith(f"b.yaml:2: r2: patterns: 'a {'x' * MAX_NESTED}' ends with "
+                              f"{MAX_NESTED} other literals of the pack (at most {MAX_NESTED - 1}")
 
 
 def test_control_characters_are_a_problem_with_a_line(tmp_path):

@@ -46,6 +46,9 @@ MAX_SPAN = 256
 # character is searched after every token (~5 us a search): 1,000 regexes able to begin at
 # any letter cost 5.6 ms a token of every stream.
 MAX_REGEXES = 256
+# Literal patterns that may end at one place: a pattern and the others that end it ("x",
+# "xx", … each add a match at every character of "xxxx…": 256 of them, 9 ms a token).
+MAX_NESTED = 16
 # \G: a backslash that no backslash escapes (an odd run of them) before a G
 _SEARCH_START_ANCHOR = re.compile(r"(?<!\\)(?:\\\\)*\\G")
 
@@ -132,9 +135,28 @@ def load_rules(directory: Path, limits: PackLimits = DEFAULT_LIMITS) -> list[Rul
                     too_many = True
                     problems.append(Problem(name, line, rule_id, "patterns",
                                             f"the pack has more than {MAX_REGEXES} regex patterns"))
+    problems += _nested_literals(rules)
     if problems:
         raise PackError(sorted(problems, key=lambda p: (p.file, p.line)))
     return rules
+
+
+def _nested_literals(rules: list[Rule]) -> list[Problem]:
+    """A problem for each rule with a literal that more than MAX_NESTED literals end."""
+    patterns = {p for r in rules if r.kind == "literal" for p in r.patterns}
+    lengths = sorted({len(p) for p in patterns})
+    problems = []
+    for r in rules:
+        for p in r.patterns if r.kind == "literal" else ():
+            ends = sum(p[len(p) - n :] in patterns for n in lengths if n <= len(p))
+            if ends > MAX_NESTED:
+                file, _, line = r.source.rpartition(":")
+                problems.append(Problem(file, int(line), r.id, "patterns",
+                                        f"{_show(p)} ends with {ends - 1} other literals of the "
+                                        f"pack (at most {MAX_NESTED - 1}: each adds a match "
+                                        "wherever they end)"))
+                break
+    return problems
 
 
 # -- one file ---------------------------------------------------------------------------
