@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -439,6 +441,50 @@ def test_text_of_mixed_character_widths_never_crashes_the_matcher():
 def test_render_replaces_redacted_spans():
     m = stream(DEFAULT.output, "Pay with 4111 1111 1111 1111 today.")
     assert m.render(0, len(m.raw)) == "Pay with [REDACTED:card] today."
+
+
+@functools.cache
+def _overlapping_edits() -> Pack:
+    """redact and rewrite rules whose matches begin inside, end inside and contain others."""
+    directory = Path(tempfile.mkdtemp())
+    rules = [("r1", "literal", "['ab', 'abcd']", "redact"), ("r2", "literal", "[bc]", "redact"),
+             ("r3", "literal", "[ca]", "rewrite"), ("r4", "regex", "['d+']", "redact"),
+             ("r5", "literal", "[dd]", "halt")]
+    (directory / "a.yaml").write_text("rules:\n" + "".join(
+        f"  - {{id: {i}, description: t, kind: {kind}, patterns: {patterns}, action: {action},"
+        f" replacement: '[{i}]', max_span: 10}}\n" for i, kind, patterns, action in rules))
+    return Pack.load(directory)
+
+
+def _render_every_match(m: StreamMatcher, start: int, end: int) -> str:
+    """What render() returned before it kept the edits apart: every match, sorted each call."""
+    out, pos = [], start
+    for x in sorted(m.matches, key=lambda x: x.start):
+        if x.rule.action not in ("redact", "rewrite") or x.end <= pos or x.start >= end:
+            continue
+        out.append(m.raw[pos : max(pos, x.start)].decode("utf-8", "replace"))
+        out.append(x.rule.replacement)
+        pos = max(pos, x.end)
+    out.append(m.raw[pos:end].decode("utf-8", "replace") if pos < end else "")
+    return "".join(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.sampled_from(["a", "b", "c", "d", "dd", "abc", "é", "rollback"]),
+                      max_size=30),
+       data=st.data())
+def test_render_reads_only_the_edits_that_can_overlap_and_renders_as_from_every_match(steps, data):
+    m = StreamMatcher(_overlapping_edits().output)
+    for step in steps:
+        if step == "rollback":
+            m.rollback(data.draw(st.integers(0, m.tokens)))
+        else:
+            m.feed(step.encode())
+        assert m.edits == sorted((x for x in m.matches if x.rule.action in ("redact", "rewrite")),
+                                 key=lambda x: x.start)
+        start = data.draw(st.integers(0, len(m.raw)))
+        end = data.draw(st.integers(start, len(m.raw)))
+        assert m.render(start, end) == _render_every_match(m, start, end)
 
 
 # -- validation of rule packs ------------------------------------------------------------

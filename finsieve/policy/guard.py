@@ -239,12 +239,8 @@ class Guard:
             return ""
         text = self.matcher.render(self.released, end)
         # Redactions now delivered: tell the client where they sit in the delivered text.
-        # Picked, then sorted by start: the order of picking them from the sorted list
-        # (sorted is stable), without sorting every match at every release.
-        matches = self.matcher.matches
-        delivered = sorted((m for m in matches if m.rule.action == "redact"
-                            and self.released <= m.start and m.end <= end),
-                           key=lambda m: m.start) if matches else ()
+        delivered = [m for m in self.matcher.edits_starting(self.released, end)
+                     if m.rule.action == "redact" and m.end <= end]
         for m in delivered:
             at = self.delivered_chars + len(self.matcher.render(self.released, m.start))
             self.events.append(Intervention(

@@ -107,6 +107,8 @@ class _Checkpoint(NamedTuple):
 
 _new_checkpoint = tuple.__new__
 _raw_len = operator.attrgetter("raw_len")
+_start = operator.attrgetter("start")
+EDITS = ("redact", "rewrite")  # the actions whose matches render() replaces
 
 
 class StreamMatcher:
@@ -118,6 +120,11 @@ class StreamMatcher:
         self.norm = Normalizer()
         self.raw = bytearray()
         self.matches: list[Match] = []
+        # The redact and rewrite matches by start (found order among equal starts), and the
+        # longest one's raw bytes: render() reads only those that can overlap its range,
+        # not every match of the answer at every release.
+        self.edits: list[Match] = []
+        self._longest_edit = 0
         self.depth = 0  # length of the longest live literal suffix
         self._tail = ""  # the live suffix of the normalized text: its last `depth` characters
         self._window = ""  # … and enough of them for every regex (see _regexes)
@@ -198,6 +205,12 @@ class StreamMatcher:
         del self._checkpoints[tokens + 1 :]
         del self.raw[cp.raw_len :]
         self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end, cp.space)
+        for m in self.matches[cp.n_matches :]:
+            if m.rule.action in EDITS:
+                i = bisect.bisect_left(self.edits, m.start, key=_start)
+                while self.edits[i] is not m:
+                    i += 1
+                del self.edits[i]
         del self.matches[cp.n_matches :]
         self.depth = cp.depth
         self._in_making = dict(cp.in_making)
@@ -206,17 +219,22 @@ class StreamMatcher:
 
     def render(self, start: int, end: int) -> str:
         """Raw text between byte offsets, with every redact/rewrite match replaced."""
-        if not self.matches:  # most answers
+        if not self.edits:  # most answers
             return self.raw[start:end].decode("utf-8", "replace") if start < end else ""
         out, pos = [], start
-        for m in sorted(self.matches, key=lambda m: m.start):
-            if m.rule.action not in ("redact", "rewrite") or m.end <= pos or m.start >= end:
+        for m in self.edits_starting(start - self._longest_edit, end):
+            if m.end <= pos:
                 continue
             out.append(self.raw[pos : max(pos, m.start)].decode("utf-8", "replace"))
             out.append(m.rule.replacement)
             pos = max(pos, m.end)
         out.append(self.raw[pos:end].decode("utf-8", "replace") if pos < end else "")
         return "".join(out)
+
+    def edits_starting(self, lo: int, hi: int) -> list[Match]:
+        """The redact and rewrite matches that start in raw [lo, hi), by start."""
+        edits = self.edits
+        return edits[bisect.bisect_left(edits, lo, key=_start) : bisect.bisect_left(edits, hi, key=_start)]
 
     # -- literals -----------------------------------------------------------------------
 
@@ -353,6 +371,9 @@ class StreamMatcher:
             timed_out=timed_out,
         )
         self.matches.append(m)
+        if rule.action in EDITS:
+            bisect.insort(self.edits, m, key=_start)
+            self._longest_edit = max(self._longest_edit, m.end - m.start)
         return m
 
     def _snapshot(self) -> _Checkpoint:
