@@ -7,6 +7,7 @@ rule author fixes a pack in one pass.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,19 +143,21 @@ def load_rules(directory: Path, limits: PackLimits = DEFAULT_LIMITS) -> list[Rul
 
 
 def _nested_literals(rules: list[Rule]) -> list[Problem]:
-    """A problem for each rule with a literal that more than MAX_NESTED literals end."""
-    patterns = {p for r in rules if r.kind == "literal" for p in r.patterns}
-    lengths = sorted({len(p) for p in patterns})
+    """A problem for each rule with a literal where more than MAX_NESTED matches end: the
+    literals that end it, it included, each once per rule that holds it (each rule's match
+    is its own)."""
+    owners = Counter(p for r in rules if r.kind == "literal" for p in set(r.patterns))
+    lengths = sorted({len(p) for p in owners})
     problems = []
     for r in rules:
         for p in r.patterns if r.kind == "literal" else ():
-            ends = sum(p[len(p) - n :] in patterns for n in lengths if n <= len(p))
+            ends = sum(owners.get(p[len(p) - n :], 0) for n in lengths if n <= len(p))
             if ends > MAX_NESTED:
                 file, _, line = r.source.rpartition(":")
                 problems.append(Problem(file, int(line), r.id, "patterns",
-                                        f"{_show(p)} ends with {ends - 1} other literals of the "
-                                        f"pack (at most {MAX_NESTED - 1}: each adds a match "
-                                        "wherever they end)"))
+                                        f"{_show(p)}: {ends} matches end where it ends (it and "
+                                        "the literals that end it, once per rule that holds "
+                                        f"each; at most {MAX_NESTED})"))
                 break
     return problems
 
