@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from finsieve.policy.guard import Guard, Policy, Verdict
+from finsieve.policy.guard import ACCEPT, Guard, Policy, Verdict
 from finsieve.policy.matcher import StreamMatcher, scan_text
 from finsieve.policy.normalize import Normalizer, fold, normalize
 from finsieve.policy.pack import Literals, Pack
@@ -210,6 +210,44 @@ def test_a_redaction_after_invalid_bytes_replaces_exactly_its_span(tmp_path):
     assert guard.release(final=True) == "ok \ufffdmy [gone]\ufffd is out"
     [event] = guard.events
     assert (event.start, event.end, event.suppressed) == (7, 13, "secret")
+
+
+def _guard_of(tmp_path: Path, rules: list[tuple[str, str, str]], tokens: list[bytes]) -> Guard:
+    """A guard over literal rules (id, pattern, action), each replacing with "[id]"."""
+    write(tmp_path, "a.yaml", "rules:\n" + "".join(
+        f"  - {{id: {i}, description: t, kind: literal, patterns: [{pattern}], action: {action},"
+        f" replacement: '[{i}]'}}\n" for i, pattern, action in rules))
+    pack = Pack.load(tmp_path)
+    return Guard(Policy(pack, None, pack.version), tokens)
+
+
+def test_a_halt_never_delivers_a_block_span_that_its_token_completed(tmp_path):
+    """Found by review (2026-12-03): a token that completed a block span and a later halt
+    span halted on the halt rule (its priority) and delivered everything before the halt
+    span, the block span included."""
+    guard = _guard_of(tmp_path, [("b", "xabc", "block"), ("h", "cd", "halt")], [b"yyxa", b"bc cd"])
+    assert (guard.check(0).verdict, guard.release()) == (Verdict.ACCEPT, "")
+    decision = guard.check(1)
+    assert (decision.verdict, decision.match.rule.id) == (Verdict.HALT, "h")
+    text, event = guard.halt(decision)
+    assert text == "yy" and event.rule_id == "h"
+
+
+def test_a_redaction_is_delivered_whole_and_once_when_a_match_over_its_end_holds_it(tmp_path):
+    """Found by review (2026-12-03): a release could end inside a completed redaction while
+    an overlapping match still grew over its end: its replacement was delivered then and
+    again with the rest, and its event never sent."""
+    guard = _guard_of(tmp_path, [("r1", "abcd", "redact"), ("r2", "cdef", "redact")],
+                      [b"ab", b"cd", b"ef"])
+    out = ""
+    for t in range(3):
+        assert guard.check(t) is ACCEPT
+        out += guard.release()
+    assert guard.finish() is ACCEPT
+    out += guard.release(final=True)
+    assert out == "[r1][r2]"
+    assert [(e.rule_id, e.start, e.end, e.suppressed) for e in guard.events] == [
+        ("r1", 0, 4, "abcd"), ("r2", 4, 8, "cdef")]
 
 
 def test_a_rewrite_after_invalid_bytes_keeps_exactly_the_text_before_its_span(tmp_path):

@@ -76,6 +76,7 @@ class Decision:
     keep: int = 0  # ROLLBACK/REWRITE: output tokens that stand
     text: str = ""  # REWRITE: text forced after them
     match: Match | None = None
+    cut: int = 0  # HALT: raw bytes that may still be delivered (none of a span that acts)
 
 
 ACCEPT = Decision(Verdict.ACCEPT)
@@ -164,19 +165,25 @@ class Guard:
     def _decide(self, found: list[Match], before: int, resample_ok: bool) -> Decision:
         if not found:  # most tokens
             return ACCEPT
-        late = next((m for m in found if m.timed_out), None)
-        if late is not None:  # fail closed, and once: searched on, it would time out each token
-            return Decision(Verdict.HALT, match=late)
-        acting = [m for m in found if m.rule.action != "redact"]
+        acting = [m for m in found if m.rule.action != "redact" or m.timed_out]
         if not acting:
             return ACCEPT
-        m = min(acting, key=lambda m: (_PRIORITY[m.rule.action], m.start))
+        # A halt delivers nothing of any span that acts, whichever rule it halts on: a block
+        # span completed by the token that completes a later halt span was delivered.
+        cut = min(m.start for m in acting)
+        late = next((m for m in acting if m.timed_out), None)
+        if late is not None and late.start == cut:
+            # Fail closed, and once: searched on, it would time out at each token. A span that
+            # begins before it acts first (a rollback drops this match too).
+            return Decision(Verdict.HALT, match=late, cut=cut)
+        m = min((m for m in acting if not m.timed_out),
+                key=lambda m: (_PRIORITY[m.rule.action], m.start))
         if m.rule.action == "halt":
-            return Decision(Verdict.HALT, match=m)
+            return Decision(Verdict.HALT, match=m, cut=cut)
         if m.rule.action == "block" and resample_ok and m.start >= before:
             return Decision(Verdict.RESAMPLE, match=m)
         if self.rollbacks >= self.max_rollbacks:
-            return Decision(Verdict.HALT, match=m)
+            return Decision(Verdict.HALT, match=m, cut=cut)
         keep = self.matcher.clean_boundary_before(m.start)
         if m.rule.action == "rewrite":
             prefix = bytes(self.matcher.raw[self.matcher.checkpoint_raw(keep) : m.start])
@@ -212,7 +219,7 @@ class Guard:
         """Deliver what was safe, never the halting span; the answer ends."""
         m = decision.match
         assert m is not None
-        end = min(self._release_point(), m.start)
+        end = min(self._release_point(), decision.cut)
         text = self._take(end)
         suppressed = bytes(self.matcher.raw[m.start : m.end]).decode("utf-8", "replace")
         if m.timed_out:
@@ -235,6 +242,10 @@ class Guard:
         return self._take(end) if end > self.released else ""
 
     def _take(self, end: int) -> str:
+        # A redaction is delivered whole and once: never cut by the end of a release (a match
+        # still growing over its end may hold it back).
+        while cut := self.matcher.edits_across(end):
+            end = self._at_most(min(m.start for m in cut))
         if end <= self.released:
             return ""
         text = self.matcher.render(self.released, end)

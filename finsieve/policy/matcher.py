@@ -231,6 +231,10 @@ class StreamMatcher:
         out.append(self.raw[pos:end].decode("utf-8", "replace") if pos < end else "")
         return "".join(out)
 
+    def edits_across(self, offset: int) -> list[Match]:
+        """The redact and rewrite matches that begin before raw offset and end after it."""
+        return [m for m in self.edits_starting(offset - self._longest_edit, offset) if m.end > offset]
+
     def edits_starting(self, lo: int, hi: int) -> list[Match]:
         """The redact and rewrite matches that start in raw [lo, hi), by start."""
         edits = self.edits
@@ -287,10 +291,12 @@ class StreamMatcher:
         # or executor thread runs (measured beside a busy thread: 1,500 searches/s instead
         # of 90,000). A whole text, off the loop: see within_cpu_budget.
         concurrent = None if len(window) > self._window_len else False
-        streaming = self._deadline is None
+        streaming, late = self._deadline is None, False
         for i, pos in active.items():
-            if not self._search(i, pos, window, base, final, found, concurrent) and streaming:
-                return  # streaming, the stream halts on it: the other searches are not paid for
+            if late:  # streaming, the stream halts: not searched, still held from where it was
+                self._in_making[i] = pos
+                continue
+            late = not self._search(i, pos, window, base, final, found, concurrent) and streaming
 
     def _budgeted(self, call: Callable[..., T]) -> Callable[..., T]:
         """call, for a whole text: retried within its CPU budget until the deadline (see
