@@ -107,6 +107,7 @@ class _Checkpoint(NamedTuple):
 
 _new_checkpoint = tuple.__new__
 _raw_len = operator.attrgetter("raw_len")
+WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it searches
 _start = operator.attrgetter("start")
 EDITS = ("redact", "rewrite")  # the actions whose matches render() replaces
 
@@ -189,10 +190,14 @@ class StreamMatcher:
     def clean_boundary_before(self, offset: int) -> int:
         """The last token count whose boundary is at or before raw `offset` and splits no
         UTF-8 character: where text may be released up to, or decoding rolled back to."""
-        # Raw lengths never decrease: a search, not a walk back (text held since far back,
-        # such as a run of spaces after a CJK character, had each release walk it all).
         checkpoints = self._checkpoints
-        k = bisect.bisect_right(checkpoints, offset, key=_raw_len) - 1
+        k = len(checkpoints) - 1
+        if checkpoints[max(k - WALK_BACK, 0)].raw_len <= offset:  # most calls: a few steps back
+            while checkpoints[k].raw_len > offset:
+                k -= 1
+        else:  # raw lengths never decrease: a search (a run of spaces held after a CJK
+            # character had each release walk back over all of it)
+            k = bisect.bisect_right(checkpoints, offset, key=_raw_len) - 1
         while k > 0 and checkpoints[k].pending:  # inside a character: a few bytes at most
             k -= 1
         return max(k, 0)
@@ -233,6 +238,8 @@ class StreamMatcher:
 
     def edits_across(self, offset: int) -> list[Match]:
         """The redact and rewrite matches that begin before raw offset and end after it."""
+        if not self.edits:  # most answers
+            return []
         return [m for m in self.edits_starting(offset - self._longest_edit, offset) if m.end > offset]
 
     def edits_starting(self, lo: int, hi: int) -> list[Match]:
