@@ -171,7 +171,7 @@ class Guard:
         # A halt delivers nothing of any span that acts, whichever rule it halts on: a block
         # span completed by the token that completes a later halt span was delivered.
         cut = min(m.start for m in acting)
-        late = next((m for m in acting if m.timed_out), None)
+        late = min((m for m in acting if m.timed_out), key=lambda m: m.start, default=None)
         if late is not None and late.start == cut:
             # Fail closed, and once: searched on, it would time out at each token. A span that
             # begins before it acts first (a rollback drops this match too).
