@@ -28,7 +28,7 @@ from prometheus_client import Counter
 
 from .normalize import Normalizer
 from .pack import RuleSet
-from .schema import Rule
+from .schema import EDITS, Rule
 from .scripts import accepts
 from .validators import VALIDATORS
 
@@ -109,7 +109,6 @@ _new_checkpoint = tuple.__new__
 _raw_len = operator.attrgetter("raw_len")
 WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it searches
 _start = operator.attrgetter("start")
-EDITS = ("redact", "rewrite")  # the actions whose matches render() replaces
 
 
 class StreamMatcher:

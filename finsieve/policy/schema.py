@@ -22,6 +22,7 @@ from .validators import VALIDATORS
 KINDS = ("literal", "regex")
 SCOPES = ("input", "output", "both")
 ACTIONS = ("block", "redact", "rewrite", "halt")
+EDITS = ("redact", "rewrite")  # the actions whose matches are replaced by `replacement`
 SEVERITIES = ("low", "medium", "high", "critical")
 # How the audit trail stores what a rule matched: as is, masked (plus a keyed hash an officer
 # can search by), or as the keyed hash alone. Redacted identifiers are masked by default.
@@ -310,7 +311,7 @@ def _rule(node: yaml.Node, file: str, definitions: _Definitions,
     if any(not p.strip() for p in patterns):
         problem("patterns", "contains an empty pattern")
     replacement = get("replacement", str, "")
-    if action in ("redact", "rewrite") and not replacement:
+    if action in EDITS and not replacement:
         problem("replacement", f"missing: action {action} needs the text that replaces a match")
     validators = strings("validators") or []
     for v in validators:
