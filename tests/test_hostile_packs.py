@@ -376,7 +376,9 @@ def test_a_search_that_times_out_halts_the_stream_whatever_the_action(tmp_path):
     assert timeouts() - before == 1
     assert decision.verdict is Verdict.HALT and decision.match.timed_out
     text, event = guard.halt(decision)
-    assert (event.rule_id, event.action) == ("slow0", "halt") and text == ""
+    # Which of the three searches first runs past 20 ms of CPU depends on the machine's speed
+    assert (event.rule_id, event.action) == (decision.match.rule.id, "halt") and text == ""
+    assert event.rule_id in {"slow0", "slow1", "slow2"}
     assert "FINSIEVE_REGEX_TIMEOUT_MS" in event.message
 
 
