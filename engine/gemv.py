@@ -26,6 +26,11 @@ and the last program of each row block to finish (an atomic counter) adds the pa
 their order, so the sum is still in one fixed order and no reduce kernel runs: on an H200
 34.4 us a layer (94% of the copy rate) against cuBLAS's split-K and reduce at 38.8 (83%).
 
+Tried and kept out (one H200, the one-row decode graph, both ways in one run): each program
+loading its first weight tile before the PDL wait, to overlap the kernel before, replayed in
+3.68 ms against 3.63 (the gate/up kernel alone 68.0 us against 64.8); prefetching each
+program's whole slice into L2 before the wait, 4.24 ms.
+
 A row decoding alone is summed in another order than the same row in a batch, which the
 compiled layers run: in bfloat16 the logits differ by rounding (the GPU test allows 2e-2),
 as they already did between cuBLAS's kernels for different batch sizes.
