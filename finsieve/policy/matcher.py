@@ -106,9 +106,9 @@ class _Checkpoint(NamedTuple):
 
 
 _new_checkpoint = tuple.__new__
-_raw_len = operator.attrgetter("raw_len")
-WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it searches
+_raw_len = operator.attrgetter("raw_len")  # sort keys: checkpoints by raw length, matches by start
 _start = operator.attrgetter("start")
+WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it searches
 
 
 class StreamMatcher:
