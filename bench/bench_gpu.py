@@ -241,9 +241,9 @@ class TimingSink:
         self.error = ""
         self.finish = ""
 
-    def deliver(self, events) -> None:
+    def deliver(self, step) -> None:
         now = time.perf_counter()
-        for e in events:
+        for e in step.events:
             kind = e.WhichOneof("event")
             if kind == "delta" and (e.delta.tokens or e.delta.text):
                 self.times.append(now)
@@ -1590,7 +1590,9 @@ def main() -> None:
                          "with --tiny 0 (its answers are shorter than any spread)")
     ap.add_argument("--steady-rounds", type=int, default=4,
                     help="requests per stream in a steady row (its window is ~rounds - 1 answers)")
-    ap.add_argument("--gateways", type=int, default=4)
+    ap.add_argument("--gateways", type=int, default=2,
+                    help="serve: gateway processes on one SO_REUSEPORT port (README, \"Running "
+                         "engine and gateway apart\": each costs the engine a message a step)")
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--tests-timeout", type=float, default=240)
     ap.add_argument("--py-spy", action="store_true",

@@ -44,7 +44,7 @@ import torch
 from finsieve.errors import RequestError
 from finsieve.policy.guard import Decision, Guard, Intervention, Policy, Verdict
 from finsieve.policy.pack import Pack
-from finsieve.v1 import chat_pb2
+from finsieve.v1 import chat_pb2, engine_pb2
 
 from . import events
 from .events import LATE_REPAIRS, LOOP_SECONDS, ROLLBACKS, STEP_ROWS, STEP_SECONDS, TOKENS, Outbox
@@ -421,7 +421,7 @@ class LLMEngine:
         else:
             text, intervention = seq.guard.halt(decision)
         if text:
-            out.add(seq, events.delta(seq, text, 0))
+            out.delta(seq, text, 0)
         out.add(seq, events.policy(seq, intervention))
         seq.finish_reason = Finish.CONTENT_FILTER
         self._finish(seq, out)
@@ -432,7 +432,7 @@ class LLMEngine:
             out.add(seq, events.policy(seq, i))
         seq.guard.events.clear()
         if delta is not None:
-            out.add(seq, events.delta(seq, *delta))
+            out.delta(seq, *delta)
 
     def _finish(self, seq: Sequence, out: Outbox) -> None:
         """Deliver what is left, then Finished; free the slot."""
@@ -536,5 +536,5 @@ class CollectingSink:
     def finished(self) -> bool:
         return bool(self.events) and self.events[-1].WhichOneof("event") in ("finished", "error")
 
-    def deliver(self, events: list[chat_pb2.ChatServerMessage]) -> None:
-        self.events.extend(events)
+    def deliver(self, step: engine_pb2.EngineStep) -> None:
+        self.events.extend(step.events)

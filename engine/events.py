@@ -1,19 +1,17 @@
 """The engine's output: the only place where protobuf messages and metrics are built.
 
 The decode loop deals in token ids and Sequences; each step it collects, per sink (gateway
-stream), the events these functions build, and hands each sink all of its events at once.
+stream), the events these functions build, and hands each sink all of them in one EngineStep.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from finsieve.errors import RequestError
 from finsieve.policy.guard import Intervention
-from finsieve.v1 import chat_pb2
+from finsieve.v1 import chat_pb2, engine_pb2
 
 from .sequence import Sequence, Sink
 
@@ -47,32 +45,37 @@ RUNNING = Gauge("finsieve_engine_running", "Requests holding a KV slot")
 
 
 class Outbox:
-    """One step's events, per sink, in order."""
+    """One step's events, per sink, in order, in the EngineStep each sink is handed. A delta
+    (one per stream and step) is built in place there: a message built apart is copied into
+    its step, which cost the loop ~1.3 us a delta (~0.16 ms a step at 128 streams)."""
 
     def __init__(self) -> None:
-        self.by_sink: defaultdict[Sink, list[Event]] = defaultdict(list)
+        self.by_sink: dict[Sink, engine_pb2.EngineStep] = {}
+
+    def _events(self, seq: Sequence):  # the sink's repeated field
+        step = self.by_sink.get(seq.sink)
+        if step is None:
+            step = self.by_sink[seq.sink] = engine_pb2.EngineStep()
+        return step.events
 
     def add(self, seq: Sequence, event: Event) -> None:
-        self.by_sink[seq.sink].append(event)
+        self._events(seq).append(event)
 
-    def add_to(self, sink: Sink, event: Event) -> None:
-        self.by_sink[sink].append(event)
+    def delta(self, seq: Sequence, text: str, tokens: int) -> None:
+        delta = self._events(seq).add(request_id=seq.request_id).delta
+        delta.text, delta.tokens = text, tokens
 
     def __bool__(self) -> bool:
         return bool(self.by_sink)
 
     def deliver(self) -> None:
-        for sink, events in self.by_sink.items():
-            sink.deliver(events)
+        for sink, step in self.by_sink.items():
+            sink.deliver(step)
 
 
 def started(seq: Sequence, model: str) -> Event:
     return Event(request_id=seq.request_id,
                  started=chat_pb2.Started(model=model, policy_version=seq.policy_version))
-
-
-def delta(seq: Sequence, text: str, tokens: int) -> Event:
-    return Event(request_id=seq.request_id, delta={"text": text, "tokens": tokens})  # no copy
 
 
 def policy(seq: Sequence, i: Intervention, scope: str = "output") -> Event:

@@ -57,7 +57,8 @@ class Sampling:
 class Sink(Protocol):
     """Where a sequence's events go: one per gateway stream."""
 
-    def deliver(self, events: list[Any]) -> None: ...
+    def deliver(self, step: Any) -> None:
+        """step: an EngineStep, this sink's events of one engine step (the sink keeps it)."""
 
 
 class Status(enum.Enum):

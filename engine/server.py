@@ -77,8 +77,12 @@ class StreamSink:
         self.steps: asyncio.Queue[engine_pb2.EngineStep] = asyncio.Queue()
         self.closed = False  # the stream ended: nothing more is submitted for it
 
-    def deliver(self, events: list[chat_pb2.ChatServerMessage]) -> None:
-        self._doorbell.put(self.steps, engine_pb2.EngineStep(events=events))
+    def deliver(self, step: engine_pb2.EngineStep) -> None:
+        self._doorbell.put(self.steps, step)
+
+    def deliver_event(self, event: chat_pb2.ChatServerMessage) -> None:
+        """One event of the server's own (an answer to a request the engine never saw)."""
+        self.deliver(engine_pb2.EngineStep(events=[event]))
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -139,8 +143,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 elif kind == "request":
                     request_id = msg.request.request_id
                     if request_id in preparing:
-                        sink.deliver([invalid("request_id", "a request with this id is in flight")
-                                      .to_event(request_id)])
+                        sink.deliver_event(invalid("request_id", "a request with this id is in flight")
+                                           .to_event(request_id))
                         continue
                     await room.acquire()
                     pending = preparing[request_id] = _Preparing()
@@ -164,18 +168,18 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         try:
             seq = await loop.run_in_executor(None, self.engine.prepare, request, sink)
         except RequestError as e:
-            sink.deliver([e.to_event(request.request_id)])
+            sink.deliver_event(e.to_event(request.request_id))
             return
         except Exception:
             log.exception("preparing a request failed", request_id=request.request_id)
-            sink.deliver([error_event(request.request_id, grpc.StatusCode.INTERNAL,
-                                      "the engine could not prepare this request")])
+            sink.deliver_event(error_event(request.request_id, grpc.StatusCode.INTERNAL,
+                                           "the engine could not prepare this request"))
             return
         if sink.closed:
             return
         if pending.cancelled:  # cancelled before it reached the engine: it ends here
             seq.finish_reason = Finish.CANCELLED
-            sink.deliver([events.finished(seq)])
+            sink.deliver_event(events.finished(seq))
             return
         self.engine.submit(seq)
 
@@ -208,8 +212,8 @@ def _refuse_bad_frame(frame: bytes, sink: StreamSink, error: DecodeError) -> Non
         request_id = ""
     log.warning("a frame from the gateway does not parse", request_id=request_id, error=str(error))
     if request_id:
-        sink.deliver([error_event(request_id, grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"the request does not parse: {error}")])
+        sink.deliver_event(error_event(request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"the request does not parse: {error}"))
 
 
 def add_to_server(service: EngineService, server: grpc.aio.Server) -> None:
