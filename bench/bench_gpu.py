@@ -956,13 +956,16 @@ def _step_metrics(text: str) -> dict[str, float]:
             for sample in family.samples:
                 if sample.name.endswith("_total"):
                     out[f"loop:{sample.labels['part']}"] = sample.value
+        elif family.name == "finsieve_generated_tokens":
+            out["tokens"] = sum(x.value for x in family.samples if x.name.endswith("_total"))
     return out
 
 
 def _step_stats(before: dict[str, float], after: dict[str, float]) -> dict:
     """A level's engine steps (its own clock, launch to launch): how many, the mean, the
-    share longer than 10 ms, and the loop's milliseconds per step by part (device: waiting
-    for the tokens; host: its own work; *_cpu: of those, on its thread's CPU clock)."""
+    share longer than 10 ms, the tokens the rules accepted per step, and the loop's
+    milliseconds per step by part (device: waiting for the tokens; host: its own work;
+    *_cpu: of those, on its thread's CPU clock)."""
     count = after.get("count", 0) - before.get("count", 0)
     if count <= 0:
         return {}
@@ -971,7 +974,9 @@ def _step_stats(before: dict[str, float], after: dict[str, float]) -> dict:
             for k, v in after.items() if k.startswith("loop:")}
     return {"steps": int(count),
             "mean_ms": round(1000 * (after["sum"] - before.get("sum", 0)) / count, 2),
-            "over_10ms": round(1 - under_10ms / count, 3), "loop_ms_per_step": loop}
+            "over_10ms": round(1 - under_10ms / count, 3),
+            "tokens_per_step": round((after.get("tokens", 0) - before.get("tokens", 0)) / count, 1),
+            "loop_ms_per_step": loop}
 
 
 def _py_spy(pid: int, output: Path, args) -> subprocess.Popen | None:
