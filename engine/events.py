@@ -6,6 +6,8 @@ stream), the events these functions build, and hands each sink all of them in on
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -14,6 +16,9 @@ from finsieve.policy.guard import Intervention
 from finsieve.v1 import chat_pb2, engine_pb2
 
 from .sequence import Sequence, Sink
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 Event = chat_pb2.ChatServerMessage
 
@@ -52,7 +57,7 @@ class Outbox:
     def __init__(self) -> None:
         self.by_sink: dict[Sink, engine_pb2.EngineStep] = {}
 
-    def _events(self, seq: Sequence):  # the sink's repeated field
+    def _events(self, seq: Sequence) -> RepeatedCompositeFieldContainer[Event]:
         step = self.by_sink.get(seq.sink)
         if step is None:
             step = self.by_sink[seq.sink] = engine_pb2.EngineStep()
