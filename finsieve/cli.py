@@ -20,7 +20,8 @@ from finsieve.cli_keys import print_table
 from finsieve.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
 from finsieve.client import CredentialError
 from finsieve.config import ConfigError, ModelLoadError, Settings, settings_table
-from finsieve.display import cell
+from finsieve.display import write_csv
+from finsieve.valkey import RedisUnavailable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CredentialError) as e:
         print(f"finsieve: {e}", file=sys.stderr)
         return 2
+    except RedisUnavailable as e:  # `keys create --direct`: the message names the URL, masked
+        print(f"finsieve: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # e.g. `finsieve chat --json ... | head`: the reader is gone
@@ -332,8 +336,6 @@ def _query(args: argparse.Namespace):
 
 
 def _audit_query(args: argparse.Namespace) -> int:
-    import csv
-
     columns = ("seq", "time", "type", "tenant", "user", "request_id", "finish_reason", "rules")
 
     def row(rec: dict) -> dict:
@@ -356,9 +358,7 @@ def _audit_query(args: argparse.Namespace) -> int:
             for rec in records:
                 print(json.dumps(rec, ensure_ascii=False, sort_keys=True))
         elif args.format == "csv":  # cells neutralized: client strings never run as formulas
-            writer = csv.DictWriter(sys.stdout, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows({c: cell(v) for c, v in row(r).items()} for r in records)
+            write_csv(sys.stdout, columns, [row(r) for r in records])
         else:
             print_table(columns, [row(r) for r in records])
         return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime as dt
 import getpass
 import json
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from finsieve.cli_rpc import OFFICERS_TARGET, add_credential_args, call, duration_s
 from finsieve.config import ConfigError, Settings
-from finsieve.display import cell
+from finsieve.display import cell, write_csv
 from finsieve.v1 import admin_pb2, admin_pb2_grpc
 
 KEY_COLUMNS = ("key_id", "tenant", "role", "name", "all_tenants", "created", "expires", "revoked")
@@ -144,9 +143,7 @@ def _list(args: argparse.Namespace) -> int:
             for r in rows:
                 print(json.dumps(r, ensure_ascii=False))
         elif args.format == "csv":
-            writer = csv.DictWriter(sys.stdout, fieldnames=KEY_COLUMNS)
-            writer.writeheader()
-            writer.writerows({c: cell(r[c]) for c in KEY_COLUMNS} for r in rows)
+            write_csv(sys.stdout, KEY_COLUMNS, rows)
         else:
             print_table(KEY_COLUMNS, rows)
         return 0

@@ -154,31 +154,55 @@ def _quoted(path: Path) -> str:
     return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-_QUERY_PARAM = re.compile(r"([?&;])([^=&;]*)=([^&;]*)")
-_SECRET_PARAMS = {"password", "pass", "pwd", "auth"}
+# A query parameter whose decoded name holds one of these carries a secret: redis-py passes
+# every parameter on to the connection (`ssl_password`, `sentinel_password`, a proxy's
+# `token`, ...), so a list of the names it knows today would miss tomorrow's.
+_SECRET_NAME_PARTS = ("pass", "pwd", "secret", "token", "auth", "credential", "apikey",
+                      "api_key", "private_key")
+_QUERY_SEPARATORS = re.compile(r"([&;])")
 
 
-def _mask_secret_param(m: re.Match[str]) -> str:
-    # By the decoded name: redis-py reads `pass%77ord` as `password`.
-    if unquote_plus(m[2]).strip().lower() in _SECRET_PARAMS:
-        return f"{m[1]}{m[2]}=***"
-    return m[0]
+def _secret_name(name: str) -> bool:
+    # Decoded as redis-py decodes it (`pass%77ord` is `password`), case and spaces ignored.
+    decoded = unquote_plus(name).strip().lower()
+    return any(part in decoded for part in _SECRET_NAME_PARTS)
+
+
+def _redact_query(query: str) -> str:
+    """Every secret-bearing parameter's value as ***; the others as written. Split on '&'
+    and ';' only, never on '#': a value may hold '#', which urlsplit would take for the
+    start of a fragment and so show the rest of the secret."""
+    parts = _QUERY_SEPARATORS.split(query)
+    for i in range(0, len(parts), 2):  # odd items are the separators themselves
+        name, eq, _ = parts[i].partition("=")
+        if eq and _secret_name(name):
+            parts[i] = f"{name}=***"
+    return "".join(parts)
+
+
+def _redact_userinfo(userinfo: str) -> str:
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:***" if colon else "***"  # no ':': the whole of it is a token
 
 
 def redact(url: str) -> str:
-    """The URL without any password, fit for logs and error messages.
+    """The URL without any secret, fit for logs, error messages and CLI output: the user
+    information's password (or a lone token) and the value of every query parameter whose
+    name holds `pass`, `pwd`, `secret`, `token`, `auth`, `credential` or `api_key` (any case).
 
-    Parsed by hand, not with urllib: a password may hold '#', '@', '/' or '?', which
-    urlsplit takes for the end of the user part. Everything before the last '@' of the
-    authority is treated as user information; only a user name before ':' is kept."""
-    url = _QUERY_PARAM.sub(_mask_secret_param, url)
+    The authority is not parsed with urlsplit: a password may hold '#', '@', '/' or '?',
+    which urlsplit takes for the end of the user part (it would show `p` of `user:p#ss@w0rd`
+    as the password and `ss@w0rd@redis` as a fragment). Everything before the last '@' is
+    treated as user information; the query is everything after the first '?' that follows
+    it (or '#', when there is no '?'), split into parameters as parse_qsl splits them."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    userinfo, _, host = rest.rpartition("@")
-    user, colon, _ = userinfo.partition(":")
-    masked = f"{user}:***" if colon else "***"
-    return f"{scheme}://{masked}@{host}"
+    if not sep:  # not a URL (an error message): mask any secret-looking `name=value`
+        return _redact_query(url)
+    userinfo, at, hostpart = rest.rpartition("@")
+    cut = min((i for i in (hostpart.find("?"), hostpart.find("#")) if i >= 0), default=-1)
+    if cut >= 0:
+        hostpart = hostpart[:cut + 1] + _redact_query(hostpart[cut + 1:])
+    return f"{scheme}://{_redact_userinfo(userinfo) + at if at else ''}{hostpart}"
 
 
 def _free_port() -> int:

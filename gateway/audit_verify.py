@@ -5,10 +5,11 @@ Checked, in order of sequence number: that the head is signed; that the first re
 to the genesis or to the signed retention checkpoint; for every record its HMAC, its link
 to the one before, its presence in the time index and in each field index it belongs to;
 that the chain reaches the newest anchor and agrees with every anchor given; that nothing
-lies beyond the head. A full verify (no time range) also finds index entries that belong to
-no record: an order-independent keyed sum of every entry is compared with the sum the
-records call for, and only when they differ are the index entries matched to records one
-by one. Memory stays bounded: records are read FETCH at a time, indexes scanned in chunks.
+lies beyond the head, neither a record nor an index entry. A full verify (no time range)
+also finds index entries that belong to no record: an order-independent keyed sum of every
+entry is compared with the sum the records call for, and only when they differ are the
+index entries matched to records one by one. Memory stays bounded: records are read FETCH
+at a time, indexes scanned in chunks.
 """
 
 from __future__ import annotations
@@ -154,9 +155,10 @@ class _Walk:
     async def extra_entries(self, first: int, hi: int) -> None:
         """Index entries that no record calls for (entries of records newer than hi are
         skipped: they were appended during the walk)."""
-        actual, below = 0, None
+        actual, below, beyond = 0, None, None
         async for key, seq, score in self._entries():
             if seq is not None and seq > hi:
+                beyond = (seq, key) if beyond is None else max(beyond, (seq, key))
                 continue
             if seq is None or seq < first:
                 below = (seq or 0, key) if below is None else min(below, (seq or 0, key))
@@ -165,8 +167,20 @@ class _Walk:
         if below is not None:
             raise Broken(below[0], f"the index {_index_name(below[1])} lists record {below[0]}, "
                                    "which is not in the chain")
+        await self._beyond_head(beyond)
         if actual != self.expected_sum:
             await self._find_extra(first, hi)
+
+    async def _beyond_head(self, newest: tuple[int, str] | None) -> None:
+        """The newest entry past the walk's end must name a record appended since: the head
+        is read after the scan, and an append writes its record, the head and its index
+        entries at once, so an entry past the head then was never a record's."""
+        if newest is None:
+            return
+        head = await self.log.head()
+        if newest[0] > head.seq:
+            raise Broken(newest[0], f"the index {_index_name(newest[1])} lists record "
+                                    f"{newest[0]}, beyond the chain head (record {head.seq})")
 
     async def _entries(self):
         keys = [TIME]
@@ -269,6 +283,10 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
                     if s.isdigit()]
             if not seqs:
                 return Verdict(True, 0, anchor=newest_anchor)
+            if max(seqs) > head.seq and max(seqs) > (now := await log.head()).seq:
+                # Read again: a record appended since the first read is no fault.
+                raise Broken(max(seqs), f"the index {_index_name(TIME)} lists record {max(seqs)}, "
+                                        f"beyond the chain head (record {now.seq})")
             lo, hi = max(first, min(seqs)), max(seqs) if until_ms else last
         prev = await _link_into(log, lo, first, cp.last_hmac if cp else "")
         tail = await walk.records(lo, hi, prev, head.seq, newest_anchor)
@@ -278,7 +296,9 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
                                            f"but the chain reaches record {hi}: it was rewound")
             if head.seq and head.hmac != tail:
                 raise Broken(head.seq, "the chain head does not match the last record")
-            if await log.redis.exists(record_key(hi + 1)):
+            # Read the head again: a record appended during the walk is past the head that
+            # was read first, not past the head now; a rewound head stays behind it.
+            if await log.redis.exists(record_key(hi + 1)) and (await log.head()).seq <= hi:
                 raise Broken(hi + 1, f"record {hi + 1} lies beyond the chain head: inserted, "
                                            "or the head was rewound")
         if full:
