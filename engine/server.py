@@ -9,14 +9,18 @@ exception while preparing a request fails that request alone.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from finsieve import tls
+from finsieve.auth import GATEWAY_ROLE, Principal, Unauthenticated, bearer
+from finsieve.config import Settings
 from finsieve.errors import RequestError, error_event, invalid
 from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
@@ -83,6 +87,52 @@ class StreamSink:
     def deliver_event(self, event: chat_pb2.ChatServerMessage) -> None:
         """One event of the server's own (an answer to a request the engine never saw)."""
         self.deliver(engine_pb2.EngineStep(events=[event]))
+
+
+class GatewayGate:
+    """An engine's check of its callers, which must be gateways: the engine keeps no audit
+    trail, knows no tenant and applies no limits, so anything else that reaches it is past
+    all of them. Without mTLS: the engine secret as a bearer token. With mTLS
+    (--tls-client-ca): a certificate carrying a name on FINSIEVE_ENGINE_ALLOWED_PEERS and,
+    unless FINSIEVE_ENGINE_REQUIRE_SECRET=false, the secret as well. Every other certificate
+    of the same CA (in a bank it also signs the apps') is refused and logged."""
+
+    def __init__(self, secret: bytes, peers: tls.PeerAllowList | None = None,
+                 require_secret: bool = True) -> None:
+        self._secret = secret
+        self._peers = peers
+        self._require_secret = require_secret or peers is None
+
+    @classmethod
+    def of(cls, settings: Settings, secret: bytes, apart: bool) -> GatewayGate:
+        """apart: the engine serves its own listener (role engine), under the process's TLS
+        settings; else it is in the gateway's process, on loopback, the secret alone."""
+        return cls(secret, tls.engine_peers(settings) if apart else None,
+                   settings.engine_require_secret)
+
+    async def __call__(self, metadata: Mapping[str, str],
+                       auth_context: Mapping[str, Iterable[bytes]]) -> Principal:
+        name = _allowed_peer(self._peers, auth_context) if self._peers is not None else ""
+        token = bearer(metadata)
+        if token is not None:  # a secret that is sent must match, even where not required
+            if not hmac.compare_digest(token.encode(), self._secret):
+                raise Unauthenticated("wrong engine secret")
+        elif self._require_secret:
+            raise Unauthenticated("no engine secret")
+        return Principal("gateway", "", GATEWAY_ROLE, name=name)
+
+
+def _allowed_peer(peers: tls.PeerAllowList, auth_context: Mapping[str, Iterable[bytes]]) -> str:
+    """The allowed name the caller's certificate carries; else logged and Unauthenticated,
+    before the secret is looked at: a certificate of the CA that is not a gateway's is worth
+    an operator's attention, whatever else the call carries."""
+    peer = tls.PeerCertificate.of(auth_context)
+    name = peers.match(peer) if peer is not None else None
+    if name is None:
+        log.warning("engine refused a client certificate not on the allow-list",
+                    setting=tls.ALLOWED_PEERS_ENV, **(peer.log_fields() if peer else {}))
+        raise Unauthenticated(f"client certificate not on {tls.ALLOWED_PEERS_ENV}")
+    return name
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):

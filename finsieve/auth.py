@@ -11,7 +11,6 @@ PERMISSION_DENIED; the reason goes to the log, never to the caller.
 from __future__ import annotations
 
 import contextvars
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,22 +140,3 @@ def roles_for(services: Mapping[str, str]) -> dict[str, frozenset[str]]:
     every = frozenset(services.values())
     return {**table, **{name: every for name in REFLECTION}}
 
-
-class SharedSecret:
-    """An engine's check of its gateways: the shared secret as a bearer token, or a client
-    certificate that the engine's --tls-client-ca verified during the handshake."""
-
-    def __init__(self, secret: bytes, trust_client_certificates: bool = False) -> None:
-        self._secret = secret
-        self._trust_certs = trust_client_certificates
-
-    async def __call__(self, metadata: Mapping[str, str],
-                       auth_context: Mapping[str, list[bytes]]) -> Principal:
-        token = bearer(metadata)
-        if token is not None:
-            if hmac.compare_digest(token.encode(), self._secret):
-                return Principal("gateway", "", GATEWAY_ROLE)
-            raise Unauthenticated("wrong engine secret")
-        if self._trust_certs and auth_context.get("x509_pem_cert"):
-            return Principal("gateway", "", GATEWAY_ROLE)
-        raise Unauthenticated("no engine secret")

@@ -93,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-ca", metavar="PEM", help="CA of the engines' certificates (TLS to engines)")
     s.add_argument("--engine-secret-file", metavar="FILE",
                    help="secret shared by gateways and engines")
+    s.add_argument("--engine-allowed-peer", "--engine-allowed-peers", dest="engine_allowed_peers",
+                   action="append", metavar="NAME",
+                   help="role engine with --tls-client-ca: a gateway certificate name it serves, "
+                   "URI:spiffe://..., DNS:... or CN:... (repeat for several)")
+    s.add_argument("--engine-require-secret", action=argparse.BooleanOptionalAction,
+                   help="role engine with --tls-client-ca: an allowed certificate must also "
+                   "send the engine secret (default: yes)")
     s.add_argument("--limits-file", metavar="YAML", help="per-tenant limits")
     s.add_argument("--allow-insecure", action="store_const", const=True,
                    help="allow plaintext beyond loopback (not for production)")

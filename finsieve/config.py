@@ -72,6 +72,14 @@ class Settings:
     engine_secret_file: str = _setting(
         "", "shared secret gateways present to engines; empty = <state dir>/engine.secret, "
         "made on first start")
+    engine_allowed_peers: tuple[str, ...] = _setting(
+        (), "role engine with tls_client_ca (required there): the only client certificates "
+        "it serves, comma-separated, each URI:<SAN URI> (or a bare spiffe://... id), "
+        "DNS:<SAN DNS name> or CN:<subject CN>, matched exactly; any other certificate of "
+        "the CA is UNAUTHENTICATED")
+    engine_require_secret: bool = _setting(
+        True, "role engine with tls_client_ca: an allowed gateway certificate must also send "
+        "the engine secret; false = the certificate alone (a secret sent must still match)")
     keys_secret_file: str = _setting(
         "", "server key of the stored API-key hashes (the same on every gateway); empty = "
         "<state dir>/keys.secret, made on first start")

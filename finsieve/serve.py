@@ -19,7 +19,7 @@ import redis.asyncio as redis
 import structlog
 
 from finsieve import secretfiles, tls
-from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, SharedSecret, Unauthenticated, roles_for
+from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, Unauthenticated, roles_for
 from finsieve.client import CredentialError, read_key_file
 from finsieve.config import Settings
 from finsieve.gateway import officers
@@ -159,7 +159,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     # Imported here: a gateway-only process never loads torch.
     from finsieve.engine.engine import EngineLimits, LLMEngine
     from finsieve.engine.loader import load_model, resolve_device
-    from finsieve.engine.server import EngineService, add_to_server
+    from finsieve.engine.server import EngineService, GatewayGate, add_to_server
 
     device = resolve_device(settings.device)
     model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
@@ -198,9 +198,8 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     host = settings.host if apart else "127.0.0.1"
     port = settings.engine_port if apart else 0
     service = Service(ENGINE, EngineService(engine, holder), add_to_server)
-    # Engines trust only gateways: the shared secret, or a client certificate they verified.
-    gate = AuthInterceptor(SharedSecret(secret, trust_client_certificates=apart and bool(
-        settings.tls_client_ca)), roles_for({ENGINE: GATEWAY_ROLE}))
+    # Engines trust only gateways: the shared secret, and with mTLS an allowed certificate.
+    gate = AuthInterceptor(GatewayGate.of(settings, secret, apart), roles_for({ENGINE: GATEWAY_ROLE}))
     settle_heap()  # before the port opens: ~0.4 s with the GIL held, a first request's wait
     running = await start_server(
         f"{host}:{port}", [service],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -11,6 +13,14 @@ from finsieve.config import ConfigError, Settings
 from finsieve.secretfiles import read_secret
 
 MAX_PEM_BYTES = 1 << 20
+ALLOWED_PEERS = "--engine-allowed-peers"
+ALLOWED_PEERS_ENV = "FINSIEVE_ENGINE_ALLOWED_PEERS"
+# Which of gRPC's auth-context properties holds each kind of name: the SANs by type, so
+# that a subject CN or a DNS name never passes for an allowed SAN URI (Envoy's
+# match_typed_subject_alt_names; Istio matches the SPIFFE URI).
+PEER_NAME_KINDS = {"URI": "peer_uri", "DNS": "peer_dns", "CN": "x509_common_name"}
+MAX_PEER_NAMES = 32  # of each kind looked at (and logged) per certificate
+MAX_PEER_NAME_CHARS = 256  # of each name logged
 
 
 def is_loopback(host: str) -> bool:
@@ -40,6 +50,7 @@ def check_transport(s: Settings) -> None:
     if s.client_cert_map and not s.tls_client_ca:
         raise ConfigError("--client-cert-map: client certificates are only verified with "
                           "--tls-client-ca")
+    _check_engine_peers(s)
     if s.allow_insecure:
         return
     why = ("prompts, answers and credentials would cross the network unencrypted: give "
@@ -58,6 +69,106 @@ def check_transport(s: Settings) -> None:
                 raise ConfigError(
                     f"--engine {address}: refusing plaintext to a remote engine: give "
                     "--engine-ca (the CA of the engines' certificates), or --allow-insecure")
+
+
+def _check_engine_peers(s: Settings) -> None:
+    """An engine with mTLS must name the gateways it serves: its CA also signs the apps'
+    certificates, and a caller that reaches the engine directly has no audit record, no
+    tenant and no limits. No list is a start-up error, not an engine that refuses everyone
+    (or no one) at run time."""
+    peers = PeerAllowList.parse(s.engine_allowed_peers)  # a bad entry is refused in any role
+    if s.role != "engine":
+        return
+    if s.tls_client_ca and not peers:
+        raise ConfigError(
+            f"{ALLOWED_PEERS}: an engine with --tls-client-ca needs the list of the gateway "
+            f"certificates it serves ({ALLOWED_PEERS_ENV}, e.g. URI:spiffe://bank-a/gateway): "
+            "every other certificate the CA signed, an app's too, would reach the engine "
+            "directly, past the gateway's audit, tenants and limits")
+    if peers and not s.tls_client_ca:
+        raise ConfigError(f"{ALLOWED_PEERS}: client certificates are only verified with "
+                          "--tls-client-ca")
+    if not s.engine_require_secret and not s.tls_client_ca:
+        raise ConfigError("FINSIEVE_ENGINE_REQUIRE_SECRET: false needs --tls-client-ca and "
+                          f"{ALLOWED_PEERS}: without a verified certificate the engine secret "
+                          "is a gateway's only credential")
+
+
+@dataclass(frozen=True)
+class PeerCertificate:
+    """The names of a caller's certificate that the TLS handshake verified."""
+
+    uris: tuple[str, ...]
+    dns: tuple[str, ...]
+    common_names: tuple[str, ...]
+
+    @classmethod
+    def of(cls, auth_context: Mapping[str, Iterable[bytes]]) -> PeerCertificate | None:
+        """None when the call came without a verified certificate (plaintext, or TLS
+        without mTLS)."""
+        if list(auth_context.get("transport_security_type", ())) != [b"ssl"] \
+                or not auth_context.get("x509_pem_cert"):
+            return None
+
+        def names(kind: str) -> tuple[str, ...]:
+            values = list(auth_context.get(PEER_NAME_KINDS[kind], ()))[:MAX_PEER_NAMES]
+            return tuple(v.decode(errors="replace") for v in values)
+
+        return cls(names("URI"), names("DNS"), names("CN"))
+
+    def log_fields(self) -> dict[str, list[str]]:
+        """For a log line: certificate names are not secret, but bounded."""
+        def cut(names: tuple[str, ...]) -> list[str]:
+            return [n[:MAX_PEER_NAME_CHARS] for n in names]
+        return {"peer_uris": cut(self.uris), "peer_dns_names": cut(self.dns),
+                "peer_common_names": cut(self.common_names)}
+
+
+@dataclass(frozen=True)
+class PeerAllowList:
+    """FINSIEVE_ENGINE_ALLOWED_PEERS: certificate names matched exactly, each by its kind
+    (DNS names case-insensitively, as DNS compares them)."""
+
+    uris: frozenset[str] = frozenset()
+    dns: frozenset[str] = frozenset()
+    common_names: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.uris or self.dns or self.common_names)
+
+    @classmethod
+    def parse(cls, entries: Iterable[str]) -> PeerAllowList:
+        found: dict[str, set[str]] = {kind: set() for kind in PEER_NAME_KINDS}
+        for entry in entries:
+            kind, _, value = entry.partition(":")
+            if kind.upper() not in PEER_NAME_KINDS and "://" in entry:
+                kind, value = "URI", entry  # a bare URI: spiffe://bank-a/gateway
+            if kind.upper() not in PEER_NAME_KINDS or not value.strip():
+                raise ConfigError(
+                    f"{ALLOWED_PEERS} {entry}: expected URI:<SAN URI>, DNS:<SAN DNS name> or "
+                    "CN:<subject common name>, e.g. URI:spiffe://bank-a/gateway")
+            value = value.strip()
+            found[kind.upper()].add(value.lower() if kind.upper() == "DNS" else value)
+        return cls(frozenset(found["URI"]), frozenset(found["DNS"]), frozenset(found["CN"]))
+
+    def match(self, peer: PeerCertificate) -> str | None:
+        """The allowed name the certificate carries (as KIND:value), or None."""
+        for uri in peer.uris:
+            if uri in self.uris:
+                return f"URI:{uri}"
+        for dns in peer.dns:
+            if dns.lower() in self.dns:
+                return f"DNS:{dns}"
+        for cn in peer.common_names:
+            if cn in self.common_names:
+                return f"CN:{cn}"
+        return None
+
+
+def engine_peers(s: Settings) -> PeerAllowList | None:
+    """The gateways an engine serving this process's listener accepts by certificate; None
+    where it verifies no client certificates (the engine secret alone then)."""
+    return PeerAllowList.parse(s.engine_allowed_peers) if s.tls_client_ca else None
 
 
 def _pem(path: str, setting: str) -> bytes:

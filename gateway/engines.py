@@ -176,8 +176,9 @@ class EngineClient:
         except grpc.aio.AioRpcError as e:
             reason = f"lost the stream to it ({_status(e)})"
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                log.error("engine refused this gateway's credential: the engine secret (or "
-                          "client certificate) differs", engine=self.address)
+                log.error("engine refused this gateway's credential: the engine secret "
+                          "differs, or this gateway's certificate (--tls-cert) carries no name "
+                          "on the engine's FINSIEVE_ENGINE_ALLOWED_PEERS", engine=self.address)
         except asyncio.CancelledError:
             reason = "the gateway closed the stream"
             raise
