@@ -18,7 +18,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from finsieve import tls
+from finsieve import supervise, tls
 from finsieve.auth import GATEWAY_ROLE, Principal, Unauthenticated, bearer
 from finsieve.config import Settings
 from finsieve.errors import RequestError, error_event, invalid
@@ -151,6 +151,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self._doorbell = Doorbell(loop)
         sink = StreamSink(self._doorbell)
         reader = asyncio.create_task(self._read(request_iterator, sink))
+        reader.add_done_callback(supervise.log_failure)  # never an unseen exception
         sent: engine_pb2.EngineStatus | None = None
         try:
             while True:

@@ -101,6 +101,12 @@ class Settings:
     audit_page_bytes: int = _setting(
         4 << 20, "largest page of records an officer's query or export returns at once")
     audit_nice: int = _setting(10, "CPU niceness of the officers' process (0-19)")
+    audit_max_calls: int = _setting(
+        100, "calls open at once on the officers' port (gRPC maximum_concurrent_rpcs); more "
+        "get RESOURCE_EXHAUSTED")
+    admin_backlog_max: int = _setting(
+        1000, "admin audit records (rule packs loaded or rejected, start, stop) held while the "
+        "trail refuses them; when full, rule pack loads wait to be recorded")
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
     max_batch: int = _setting(8, "sequences decoded together (KV cache slots)")
     max_context: int = _setting(2048, "tokens per sequence, prompt + completion")
@@ -153,6 +159,8 @@ class Settings:
     max_connection_idle_s: float = _setting(900.0, "close a connection with no call for this long; 0 = never")
     max_connection_age_s: float = _setting(
         0.0, "close connections after this long (calls get drain_seconds to finish); 0 = never")
+    handshake_timeout_s: float = _setting(
+        10.0, "close a connection whose TLS or HTTP/2 handshake is not done within this long")
     engine_connect_timeout_s: float = _setting(
         3.0, "an engine not connected within this long is marked down (probed in the background)")
     rules_max_bytes: int = _setting(4194304, "largest rule pack (all files together)")
@@ -202,7 +210,8 @@ class Settings:
                     "max_in_flight_per_connection", "max_streams", "outbox_max_events",
                     "slow_reader_grace_s", "keepalive_time_s", "keepalive_timeout_s",
                     "min_ping_interval_s", "engine_connect_timeout_s", "rules_max_bytes",
-                    "regex_timeout_ms", "rules_debounce_ms")
+                    "regex_timeout_ms", "rules_debounce_ms", "audit_max_calls",
+                    "admin_backlog_max", "handshake_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import secrets
 import signal
@@ -18,14 +19,15 @@ import prometheus_client
 import redis.asyncio as redis
 import structlog
 
-from finsieve import secretfiles, tls
+from finsieve import secretfiles, supervise, tls
 from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, Unauthenticated, roles_for
 from finsieve.client import CredentialError, read_key_file
 from finsieve.config import Settings
 from finsieve.gateway import officers
+from finsieve.gateway.access import AdminTrail
 from finsieve.gateway.admin_service import key_event
 from finsieve.gateway.anchors import Anchoring, AnchorWriter
-from finsieve.gateway.audit import AuditError, AuditLog
+from finsieve.gateway.audit import AuditLog
 from finsieve.gateway.cache import ResponseCache
 from finsieve.gateway.engines import EngineCredentials, EnginePool
 from finsieve.gateway.identity import ClientAuthenticator
@@ -53,6 +55,9 @@ log = structlog.get_logger(__name__)
 GATEWAY = chat_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 ENGINE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 ENGINE_SWITCH_INTERVAL_S = 0.0005  # see _start_engine
+# The engine loop is started again after an exception escaped it, at most this many times
+# in a row; then the process exits non-zero, as when the device fails, to be restarted.
+ENGINE_LOOP_RESTARTS = 3
 DEV_TENANT = "default"
 
 
@@ -100,9 +105,11 @@ async def serve(settings: Settings) -> None:
             anchoring = Anchoring(audit, AnchorWriter(officers.anchor_dir(settings), "gateway", key),
                                   settings.audit_anchor_interval_s)
             anchoring.start()
+            trail = AdminTrail(audit, settings.admin_backlog_max)
+            trail.start()
             keys = KeyStore(client, keys_secret, settings.key_cache_s, settings.key_cache_max)
             if not settings.redis_url:
-                await _development_keys(settings, keys, audit)
+                await _development_keys(settings, keys, trail)
             port = await officers_process.ready()
             log.info("audit and admin services serving", address=f"{settings.audit_host}:{port}")
             rules = _gateway_rules(settings, key, stack)
@@ -112,16 +119,22 @@ async def serve(settings: Settings) -> None:
                 settings, engine_addresses, EngineCredentials(engine_secret, engine_tls), audit,
                 keys, client, rules, stack)
             servers.append(running)
-            await _admin(audit, {"event": "server_start", "role": settings.role})
-            watch = asyncio.create_task(_watch_admin(gateway.engines, audit))
+            await trail.record({"event": "server_start", "role": settings.role})
+            await trail.watch(running.set_serving)  # NOT_SERVING while admin records wait
+            seen: dict[str, tuple[int, int]] = {}
+            watch = supervise.start("admin-watch", lambda: _watch_admin(gateway.engines, trail, seen))
             await _until(stop, failed)
             watch.cancel()
+            await trail.watch(None)  # from here health stays NOT_SERVING
             for s in servers:  # load balancers stop sending first
                 await s.set_serving(False)
             if not failed.is_set():
                 log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
                 await gateway.drain(settings.drain_seconds)
-            await _admin(audit, {"event": "server_stop", "role": settings.role})
+            with contextlib.suppress(TimeoutError):  # a full backlog: close() says what is lost
+                await asyncio.wait_for(trail.record({"event": "server_stop", "role": settings.role}),
+                                       settings.drain_seconds)
+            await trail.close(settings.drain_seconds)
             await anchoring.stop()
         else:
             await _until(stop, failed)
@@ -180,7 +193,20 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     loop = asyncio.get_running_loop()
 
     def run() -> None:
-        engine.run()
+        for attempt in range(1, ENGINE_LOOP_RESTARTS + 2):
+            try:
+                engine.run()
+                break
+            except Exception:  # a bug past the loop's own handling: never a silent stop
+                supervise.FAILURES.labels("engine-loop").inc()
+                if attempt > ENGINE_LOOP_RESTARTS:
+                    log.exception("engine loop failed; giving up", failures=attempt)
+                    engine.failed.set()
+                    break
+                delay = supervise.Backoff().delay(attempt)
+                log.exception("engine loop failed; starting it again", failures=attempt,
+                              retry_in_s=delay)
+                time.sleep(delay)
         if engine.failed.is_set():
             loop.call_soon_threadsafe(failed.set)
 
@@ -277,7 +303,7 @@ async def _start_redis(settings: Settings,
     return client, url, password
 
 
-async def _development_keys(settings: Settings, keys: KeyStore, audit: AuditLog) -> None:
+async def _development_keys(settings: Settings, keys: KeyStore, trail: AdminTrail) -> None:
     """One key per role in <state dir>/keys/<role>.key (0600), so the README's commands work
     against the embedded default. Kept while they verify; made again when they do not."""
     directory = secretfiles.private_dir(settings.state_path / "keys")
@@ -291,7 +317,7 @@ async def _development_keys(settings: Settings, keys: KeyStore, audit: AuditLog)
         new, info = await keys.create(DEV_TENANT, role, f"development {role} key",
                                       all_tenants=role != "app", created_by="serve")
         secretfiles.write_private(path, new + "\n")
-        await _admin(audit, {**key_event("key_created", info), "by": "serve"})
+        await trail.record({**key_event("key_created", info), "by": "serve"})
     log.info("development keys ready: for local use only; create real keys with "
              "`finsieve keys create`", directory=str(directory), tenant=DEV_TENANT)
 
@@ -306,7 +332,7 @@ async def _start_gateway(
 
     auth = ClientAuthenticator.from_settings(settings, keys)
     limiter = tenant_limiter(settings, client)
-    renew = asyncio.create_task(limiter.renew_leases())
+    renew = supervise.start("tenant-leases", limiter.renew_leases)
     stack.callback(renew.cancel)
     pool = EnginePool(engines, settings.engine_connect_timeout_s, engine_channel_options(settings),
                       engine_credentials)
@@ -332,16 +358,10 @@ async def _start_gateway(
     return gateway, running
 
 
-async def _admin(audit: AuditLog, body: dict) -> None:
-    try:
-        await audit.append("admin", body)
-    except AuditError as e:
-        log.error("admin audit event lost", event=body.get("event"), error=str(e))
-
-
-async def _watch_admin(engines: EnginePool, audit: AuditLog) -> None:
-    """Rule pack loads and rejections (seen through the engines' Info) become admin records."""
-    seen: dict[str, tuple[int, int]] = {}
+async def _watch_admin(engines: EnginePool, trail: AdminTrail,
+                       seen: dict[str, tuple[int, int]]) -> None:
+    """Rule pack loads and rejections (seen through the engines' Info) become admin records.
+    `seen` (each engine's counts already recorded) outlives a restart of this task."""
     while True:
         for client in engines.clients:
             info = await client.info()
@@ -351,11 +371,11 @@ async def _watch_admin(engines: EnginePool, audit: AuditLog) -> None:
             # gateway first reached it is recorded too (as one load: the version in force).
             loads, rejections = seen.get(client.address, (1, 0))
             if info.pack_loads > loads:
-                await _admin(audit, {"event": "rule_pack_loaded", "engine": client.address,
-                                     "policy_version": info.policy_version})
+                await trail.record({"event": "rule_pack_loaded", "engine": client.address,
+                                    "policy_version": info.policy_version})
             if info.pack_rejections > rejections:
-                await _admin(audit, {"event": "rule_pack_rejected", "engine": client.address,
-                                     "policy_version": info.policy_version,
-                                     "reason": info.last_rejection})
+                await trail.record({"event": "rule_pack_rejected", "engine": client.address,
+                                    "policy_version": info.policy_version,
+                                    "reason": info.last_rejection})
             seen[client.address] = (info.pack_loads, info.pack_rejections)
         await asyncio.sleep(1.0)

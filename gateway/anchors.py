@@ -21,6 +21,8 @@ from typing import Any
 
 import structlog
 
+from finsieve import supervise
+
 from .audit import AuditLog, derive_key, now_ms, seal, sealed_ok
 
 log = structlog.get_logger(__name__)
@@ -102,7 +104,8 @@ class Anchoring:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        # Supervised: a failed anchor write (disk full, say) is logged, counted and retried.
+        self._task = supervise.start("audit-anchor", self._run)
 
     async def _run(self) -> None:
         while True:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from finsieve import supervise
 from finsieve.errors import RequestError
 from finsieve.grpc_server import ENGINE_MESSAGE_BYTES
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
@@ -75,7 +76,7 @@ class EngineClient:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._keep_connected())
+            self._task = supervise.start(f"engine-stream {self.address}", self._keep_connected)
 
     async def submit(self, request: chat_pb2.ChatRequest, handler: EventHandler) -> None:
         """Send a request; its events go to handler until a terminal one. Raises RequestError."""

@@ -27,12 +27,13 @@ from pathlib import Path
 import redis.asyncio as redis
 import structlog
 
-from finsieve import tls
+from finsieve import supervise, tls
 from finsieve.auth import AuthInterceptor, roles_for
 from finsieve.config import Settings
 from finsieve.grpc_server import Service, server_options, start_server
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc
 
+from .access import AdminTrail
 from .admin_service import AdminService
 from .anchors import Anchoring, AnchorWriter
 from .audit import AuditError, AuditLog
@@ -123,8 +124,8 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(stop.set)),
-                     name="parent-watch", daemon=True).start()
+    threading.Thread(target=_until_parent_gone, args=(loop, stop), name="parent-watch",
+                     daemon=True).start()
     client = await connect(secrets.redis_url, password=secrets.redis_password)
     key = secrets.audit_key
     audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
@@ -142,33 +143,53 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
                  audit_pb2_grpc.add_AuditServiceServicer_to_server),
          Service(admin_name, AdminService(keys, tenant_limiter(settings, client), audit),
                  admin_pb2_grpc.add_AdminServiceServicer_to_server)],
-        # The public port's frame limit and keepalive; no idle or age limit: an export may
-        # stream for a long time.
-        options=server_options(settings, settings.max_message_bytes, clients=False),
+        # The public port's bounds: frame limit, handshake time, keepalive, idle and age (an
+        # export still streaming at the age gets FINSIEVE_DRAIN_SECONDS to finish); calls.
+        options=server_options(settings, settings.max_message_bytes),
+        max_concurrent_rpcs=settings.audit_max_calls,
         credentials=tls.server_credentials(settings),
         interceptors=[AuthInterceptor(auth, roles_for({audit_name: "officer",
                                                        admin_name: "admin"}))])
     print(json.dumps({"port": running.port}), flush=True)
     log.info("audit service serving", address=f"{settings.audit_host}:{running.port}",
              pid=os.getpid(), nice=os.nice(0))
-    retention = asyncio.create_task(_retain(audit, settings.audit_retention_days))
+    trail = AdminTrail(audit, settings.admin_backlog_max)
+    trail.start()
+    await trail.watch(running.set_serving)  # NOT_SERVING while a trim's record waits
+    retention = supervise.start("audit-retention",
+                                lambda: _retain(audit, trail, settings.audit_retention_days))
     await stop.wait()
     retention.cancel()
+    await trail.watch(None)
+    await running.set_serving(False)
+    await trail.close(settings.drain_seconds)
     await running.server.stop(1)
     await anchoring.stop()
     await client.aclose()
 
 
-async def _retain(audit: AuditLog, days: float) -> None:
-    """Once an hour: trim records older than `days`, by sequence (0: keep everything)."""
+def _until_parent_gone(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Stdin's end (or any failure to read it) tells this process the gateway is gone."""
+    try:
+        sys.stdin.read()
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+
+
+async def _retain(audit: AuditLog, trail: AdminTrail, days: float) -> None:
+    """Once an hour: trim records older than `days`, by sequence (0: keep everything). A
+    trim that fails is tried at the next hour; the record of one that is done is written
+    until it lands (the trail's backlog)."""
     while days > 0:
         try:
-            if trimmed := await audit.trim(int((time.time() - days * 86400) * 1000)):
-                log.info("audit trail trimmed", records=trimmed)
-                await audit.append("admin", {"event": "audit_trimmed", "records": trimmed,
-                                             "retention_days": days})
+            trimmed = await audit.trim(int((time.time() - days * 86400) * 1000))
         except (AuditError, redis.RedisError) as e:
             log.error("audit trim failed", error=str(e))
+            trimmed = 0
+        if trimmed:
+            log.info("audit trail trimmed", records=trimmed)
+            await trail.record({"event": "audit_trimmed", "records": trimmed,
+                                "retention_days": days})
         await asyncio.sleep(RETENTION_EVERY_S)
 
 

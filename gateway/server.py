@@ -25,6 +25,7 @@ import grpc
 import structlog
 from prometheus_client import Counter
 
+from finsieve import supervise
 from finsieve.auth import (
     CHECK_UNAVAILABLE_MESSAGE,
     UNAUTHENTICATED_MESSAGE,
@@ -133,6 +134,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     "the tenant's limit of concurrent streams is reached", wait))
             reader = asyncio.create_task(self._read(request_iterator, stream))
+            reader.add_done_callback(supervise.log_failure)  # never an unseen exception
             await self._write(stream, context)
         finally:
             # No await here: this also runs when the call was cancelled (client gone, deadline).
@@ -428,6 +430,7 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
 
     def _in_background(self, coro) -> None:
         task = asyncio.create_task(coro)
+        task.add_done_callback(supervise.log_failure)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

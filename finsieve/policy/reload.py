@@ -21,6 +21,8 @@ import structlog
 import watchfiles
 from prometheus_client import Counter
 
+from finsieve.supervise import FAILURES
+
 from .schema import PackError
 
 log = structlog.get_logger(__name__)
@@ -124,10 +126,10 @@ class RulesWatcher(Generic[T]):
             if identity is None:  # not there (yet): look again shortly
                 self._stop.wait(RETRY_WATCH_S)
                 continue
-            if resumed:
-                self.reload()  # what changed while nothing watched
-            resumed = True
             try:
+                if resumed:
+                    self.reload()  # what changed while nothing watched
+                resumed = True
                 for _changes in watchfiles.watch(self.directory, debounce=self.debounce_ms, step=20,
                                                  stop_event=self._stop, raise_interrupt=False):
                     self.reload()
@@ -136,6 +138,7 @@ class RulesWatcher(Generic[T]):
                 else:
                     return  # stopped
             except Exception:
+                FAILURES.labels("rules-watcher").inc()
                 log.exception("rules watcher failed; watching again", directory=str(self.directory))
                 self._stop.wait(RETRY_WATCH_S)
 
