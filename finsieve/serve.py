@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import secrets
 import signal
@@ -24,7 +23,7 @@ from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, Unauthenticated,
 from finsieve.client import CredentialError, read_key_file
 from finsieve.config import Settings
 from finsieve.gateway import officers
-from finsieve.gateway.access import AdminTrail
+from finsieve.gateway.access import FLUSH_AT_SHUTDOWN_S, AdminTrail
 from finsieve.gateway.admin_service import key_event
 from finsieve.gateway.anchors import Anchoring, AnchorWriter
 from finsieve.gateway.audit import AuditLog
@@ -131,10 +130,13 @@ async def serve(settings: Settings) -> None:
             if not failed.is_set():
                 log.info("draining", in_flight=gateway.in_flight(), deadline_s=settings.drain_seconds)
                 await gateway.drain(settings.drain_seconds)
-            with contextlib.suppress(TimeoutError):  # a full backlog: close() says what is lost
+            try:
                 await asyncio.wait_for(trail.record({"event": "server_stop", "role": settings.role}),
-                                       settings.drain_seconds)
-            await trail.close(settings.drain_seconds)
+                                       FLUSH_AT_SHUTDOWN_S)
+            except TimeoutError:  # the backlog is full
+                log.error("admin audit record lost at shutdown: the backlog is full",
+                          action="server_stop")
+            await trail.close()
             await anchoring.stop()
         else:
             await _until(stop, failed)

@@ -29,6 +29,9 @@ BACKLOG = Gauge("finsieve_admin_backlog", "Admin audit records waiting to be wri
 
 Health = Callable[[bool], Awaitable[None]]
 WRITE_BACKOFF = supervise.Backoff(0.1, 5.0)  # a trail back up is written to within 5 s
+# At shutdown, after the drain: how long what waits may take to land (then it is logged as
+# lost), so that a trail that is down does not hold the process past its grace period.
+FLUSH_AT_SHUTDOWN_S = 5.0
 
 
 async def record(audit: AuditLog, context: grpc.aio.ServicerContext, kind: str, who: Principal,
@@ -89,7 +92,7 @@ class AdminTrail:
         await self._queue.put(body)
         BACKLOG.set(self.pending)
 
-    async def close(self, timeout: float) -> None:
+    async def close(self, timeout: float = FLUSH_AT_SHUTDOWN_S) -> None:
         """Write what waits, for at most `timeout` seconds, then stop; what is left is logged."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout

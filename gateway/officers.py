@@ -162,7 +162,7 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
     retention.cancel()
     await trail.watch(None)
     await running.set_serving(False)
-    await trail.close(settings.drain_seconds)
+    await trail.close()
     await running.server.stop(1)
     await anchoring.stop()
     await client.aclose()

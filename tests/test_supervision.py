@@ -154,6 +154,53 @@ def test_a_supervised_task_is_started_again_after_each_failure():
             supervise.supervise("broken", broken, supervise.Backoff(0.01, 0.02), give_up_after=3), 10))
 
 
+def test_a_full_admin_backlog_holds_its_writer_back_and_loses_nothing(valkey):
+    """A real Valkey refusing writes (maxmemory 1): health goes NOT_SERVING at the first
+    failed write; with the backlog full the next record waits (the rule-pack watcher stops);
+    once Valkey takes writes, every record lands in order and health is SERVING again."""
+    import redis.asyncio as aredis
+
+    from finsieve.gateway.access import AdminTrail
+    from finsieve.gateway.audit import AuditLog
+
+    async def run() -> tuple[list[bool], list[str], bool]:
+        client = aredis.Redis(port=valkey.port, password=valkey.password)
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", 1)
+        audit = AuditLog(client, b"k" * 32)
+        trail = AdminTrail(audit, max_backlog=2, backoff=supervise.Backoff(0.01, 0.05))
+        changes: list[bool] = []
+        changed = asyncio.Event()
+
+        async def health(serving: bool) -> None:
+            changes.append(serving)
+            changed.set()
+
+        await trail.watch(health)
+        trail.start()
+        await trail.record({"event": "e1"})
+        await asyncio.wait_for(changed.wait(), 10)  # e1 failed: NOT_SERVING
+        await trail.record({"event": "e2"})
+        await trail.record({"event": "e3"})  # e1 being written, e2 and e3 wait: full
+        blocked = asyncio.create_task(trail.record({"event": "e4"}))
+        await asyncio.sleep(0.3)  # (no synchronisation: it must still be waiting after it)
+        held_back = not blocked.done()
+        changed.clear()
+        await client.config_set("maxmemory", 0)
+        await asyncio.wait_for(blocked, 10)
+        await asyncio.wait_for(changed.wait(), 10)  # the backlog is written: SERVING
+        await trail.close(1)
+        head = await audit.head()
+        events = [(await audit.get(seq))["event"] for seq in range(1, head.seq + 1)]
+        await client.aclose()
+        return changes, events, held_back
+
+    changes, events, held_back = asyncio.run(run())
+    assert changes == [False, True]
+    assert held_back
+    assert events == ["e1", "e2", "e3", "e4"]
+
+
 # -- against a real server -----------------------------------------------------------------
 
 
