@@ -129,6 +129,22 @@ def test_no_structlog_call_passes_a_reserved_argument_name():
     assert not problems, "\n".join(problems)
 
 
+def test_every_listener_is_made_by_start_server():
+    """The rule "no exception text reaches a client" lives in start_server (HideErrors, the
+    outermost interceptor): no other code of the tree makes a gRPC server."""
+    makers = []
+    for tree in TREES:
+        for path in sorted((REPO / tree).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "server" and ast.unparse(node.func.value)
+                        in ("grpc", "grpc.aio", "aio")):
+                    makers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert len(makers) == 1 and makers[0].startswith("finsieve/grpc_server.py:"), makers
+    source = (REPO / "finsieve" / "grpc_server.py").read_text()
+    assert "interceptors=[HideErrors(), *interceptors]" in source
+
+
 # -- the supervisor ------------------------------------------------------------------------
 
 
