@@ -11,6 +11,12 @@ is still the one the record was sealed against (and never over an existing recor
 the gateway re-seals and retries otherwise. All keys share one hash tag, so on a Redis
 Cluster the chain lives on one slot.
 
+A client chooses its user and request ids, and either may hold a card number: a record
+stores them masked like any text (`trace.py`), and the indexes name them by their keyed
+hash (`id_hash`, in the record's `id_hashes`), never by the value, so no key name holds
+one; officers' queries by user or request id are hashed the same way. Records written
+before `id_hashes` existed stay indexed by the value they hold.
+
 Retention deletes the oldest records by sequence number, up to the first record younger
 than the period, behind a signed checkpoint: the gateways' clocks never decide which
 records go, so skew between them cannot leave a hole.
@@ -38,6 +44,7 @@ TIME = f"{TAG}:time"
 CHECKPOINT = f"{TAG}:checkpoint"
 INDEX_PREFIX = f"{TAG}:idx:"
 INDEXED = ("tenant", "user", "rule_id", "action", "finish_reason", "request_id", "audit_id", "match")
+HASHED_IDS = ("user", "request_id")  # chosen by clients: indexed by their keyed hash
 FETCH = 100  # records per Redis round trip when reading
 
 APPEND_SECONDS = Histogram("finsieve_audit_append_seconds", "Audit record appends",
@@ -89,6 +96,13 @@ def derive_key(key: bytes, purpose: str) -> bytes:
     return hmac.new(key, f"finsieve/{purpose}/v1".encode(), hashlib.sha256).digest()
 
 
+def id_hash(key: bytes, field: str, value: str) -> str:
+    """The keyed hash a client-chosen id is indexed and queried by (key: the audit key).
+    Exact (a user id is not a card number to canonicalize), one per field."""
+    return hmac.new(derive_key(key, "index"), f"{field}\0{value}".encode(),
+                    hashlib.sha256).hexdigest()[:32]
+
+
 def canonical(record: dict[str, Any], without: str = "hmac") -> bytes:
     """The bytes a MAC covers: sorted keys, no spaces, UTF-8, without the MAC itself."""
     body = {k: v for k, v in record.items() if k != without}
@@ -115,8 +129,11 @@ def stored(record: dict[str, Any]) -> str:
 
 def index_values(record: dict[str, Any]) -> list[tuple[str, str]]:
     """The (field, value) indexes a record belongs to."""
-    values = [(f, str(record[f])) for f in ("tenant", "user", "finish_reason", "request_id",
-                                             "audit_id") if record.get(f)]
+    hashed = record.get("id_hashes")
+    hashed = hashed if isinstance(hashed, dict) else {}
+    values = [(f, str(hashed[f]) if f in HASHED_IDS and f in hashed else str(record[f]))
+              for f in ("tenant", "user", "finish_reason", "request_id", "audit_id")
+              if record.get(f)]
     for i in record.get("interventions") or []:
         if isinstance(i, dict):  # proto JSON omits an empty rule_id
             values += [(f, str(i[f])) for f in ("rule_id", "action") if i.get(f)]
@@ -212,8 +229,14 @@ class AuditLog:
 
     # -- writing ------------------------------------------------------------------------
 
-    async def append(self, kind: str, body: dict[str, Any], deadline_s: float = 10.0) -> int:
-        """Seal and append one record; returns its sequence number. Raises AuditError."""
+    async def append(self, kind: str, body: dict[str, Any], deadline_s: float = 10.0,
+                     ids: dict[str, str] | None = None) -> int:
+        """Seal and append one record; returns its sequence number. Raises AuditError.
+        `ids`: client-chosen ids as sent (HASHED_IDS), which body holds masked: indexed by
+        their keyed hash."""
+        if ids:
+            body = {**body, "id_hashes": {f: id_hash(self.key, f, v) for f, v in sorted(ids.items())
+                                          if f in HASHED_IDS and v}}
         async with self._lock:
             with APPEND_SECONDS.time():
                 seq, mac = await self._append_unlocked(kind, body, deadline_s)

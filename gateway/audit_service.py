@@ -21,7 +21,7 @@ from finsieve.v1 import audit_pb2, audit_pb2_grpc
 
 from .access import record
 from .anchors import Anchor, AnchorError, read_anchor
-from .audit import AuditLog, Cursor, Filters, stored
+from .audit import AuditLog, Cursor, Filters, id_hash, stored
 from .audit_verify import verify
 from .sensitive import canonical_value, value_hash
 
@@ -64,8 +64,11 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
             if tenant and tenant != officer.tenant:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, "permission denied")
             tenant = officer.tenant
-        return Filters(q.since_ms, q.until_ms, tenant, q.user, q.rule_id, q.action,
-                       q.finish_reason.upper().removeprefix("FINISH_REASON_"), q.request_id,
+        # User and request ids are indexed (and recorded in the access record) by keyed hash.
+        user = id_hash(self.log.key, "user", q.user) if q.user else ""
+        request_id = id_hash(self.log.key, "request_id", q.request_id) if q.request_id else ""
+        return Filters(q.since_ms, q.until_ms, tenant, user, q.rule_id, q.action,
+                       q.finish_reason.upper().removeprefix("FINISH_REASON_"), request_id,
                        q.audit_id, value_hash(self.log.key, q.match) if q.match else "")
 
     async def _read(self, context: grpc.aio.ServicerContext, event: str, tenant: str,

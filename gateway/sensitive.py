@@ -6,6 +6,13 @@ the record's `match_hashes`, which is indexed, so `audit query --match VALUE` fi
 without the trail ever holding the value. The hash ignores spaces, punctuation and case
 (NFKC, case-folded, letters and digits only): `4111-1111-1111-1111` and
 `4111 1111 1111 1111` are the same value.
+
+Every field a record stores of what a client sent or the model said goes through here:
+the messages (as one conversation: a number split over two messages is found and masked
+in both, see `finsieve/policy/inputs.py`), the delivered and suppressed text, metadata keys
+and values, the user and request ids, stop sequences and error texts. A value that two
+rules' matches overlap is protected whole: the part past the first match is masked
+entirely, never left in clear.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import hashlib
 import hmac
 import unicodedata
 
-from finsieve.policy.matcher import scan_text
+from finsieve.policy.inputs import ConversationMatch, conversation_matches
 from finsieve.policy.pack import Pack, RuleSet
 from finsieve.policy.schema import Rule
 
@@ -60,18 +67,28 @@ class Sensitive:
 
     def text(self, text: str, hashes: set[str]) -> str:
         """`text` with every value a mask/hash rule matches protected; their hashes added."""
-        if not self.rules or not text:
-            return text
-        raw = text.encode()
-        parts, pos = [], 0
-        for m in sorted(scan_text(self.rules, text), key=lambda m: m.start):
-            if m.start < pos:
-                continue  # overlaps a span already protected
-            parts.append(raw[pos : m.start].decode("utf-8", "replace"))
-            parts.append(self._protect(m.rule, raw[m.start : m.end].decode("utf-8", "replace"), hashes))
-            pos = m.end
-        parts.append(raw[pos:].decode("utf-8", "replace"))
-        return "".join(parts)
+        return self.messages([text], hashes)[0]
+
+    def messages(self, contents: list[str], hashes: set[str]) -> list[str]:
+        """The messages of one conversation, each protected, values split over two or more
+        of them included (each part protected as its share of the whole value)."""
+        if not self.rules or not any(contents):
+            return list(contents)
+        edits: list[list[tuple[int, int, str]]] = [[] for _ in contents]
+        for m in conversation_matches(self.rules, contents):
+            for part, shown in zip(m.parts, self._split(m, hashes), strict=True):
+                edits[part.message].append((part.start, part.end, shown))
+        return [_apply(c, sorted(e)) if e else c for c, e in zip(contents, edits, strict=True)]
+
+    def _split(self, m: ConversationMatch, hashes: set[str]) -> list[str]:
+        """The protected value, cut back into the parts of the messages it spans."""
+        shown = self._protect(m.rule, m.text, hashes)
+        if len(m.parts) == 1:
+            return [shown]
+        if m.rule.audit == "hash":  # the same `[hash:…]` in each message
+            return [shown] * len(m.parts)
+        # A mask keeps every character's place: each part is its own stretch of it.
+        return [shown[p.at : p.at + p.chars] for p in m.parts]
 
     def suppressed(self, rule_id: str, text: str, hashes: set[str]) -> str:
         """The text a rule suppressed: protected as a whole by its own rule's mode, or
@@ -80,3 +97,22 @@ class Sensitive:
         if rule is not None and rule.audit != "keep" and text:
             return self._protect(rule, text, hashes)
         return self.text(text, hashes)
+
+
+def _apply(text: str, edits: list[tuple[int, int, str]]) -> str:
+    """`text` with each raw byte span (start, end) replaced by its protected form. A span
+    that overlaps the one before it: what it adds past that one is masked whole."""
+    raw = text.encode()
+    parts, pos = [], 0
+    for start, end, shown in edits:
+        if start < pos:
+            if end > pos:
+                parts.append("".join("*" if c.isalnum() else c
+                                     for c in raw[pos:end].decode("utf-8", "replace")))
+                pos = end
+            continue
+        parts.append(raw[pos:start].decode("utf-8", "replace"))
+        parts.append(shown)
+        pos = end
+    parts.append(raw[pos:].decode("utf-8", "replace"))
+    return "".join(parts)

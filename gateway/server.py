@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +55,7 @@ CANCELS = Counter("finsieve_gateway_cancels", "Cancels from clients: forwarded t
                   "dropped (unknown, finished or already cancelled)", ["outcome"])
 STREAMS_ENDED = Counter("finsieve_streams_ended", "Chat streams the gateway ended", ["reason"])
 RETRY_AFTER_MS = 1000  # hint with RESOURCE_EXHAUSTED
+_CLIENT_KEY = re.compile(r"\[(?!\d+\])[^\]]*\]?")  # a bracketed field part that is no index
 AUDIT_SERIAL_S = 10.0  # after a failed audit write, records are written before engines start
 
 
@@ -326,11 +328,11 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         what it made. For AUDIT_SERIAL_S after a failed write, the record first: a trail
         that is down must not cost the engines the work of the requests it refuses."""
         if time.monotonic() < self._audit_serial_until:
-            trace.audit_id = await self._audit("request_started", trace.started_record)
+            trace.audit_id = await self._audit("request_started", trace.started_record, trace.ids())
             await self._submit_to_engine(internal, relay, flight, stream)
             return
         flight.held = []
-        recording = asyncio.ensure_future(self._audit("request_started", trace.started_record))
+        recording = asyncio.ensure_future(self._audit("request_started", trace.started_record, trace.ids()))
         try:
             try:
                 await self._submit_to_engine(internal, relay, flight, stream)
@@ -395,15 +397,18 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             if event.HasField("started"):
                 event.started.cache_hit = True
             replay.observe(event)
-        trace.audit_id = await self._audit("request", lambda: replay.final_record(hit.record))
+        trace.audit_id = await self._audit("request", lambda: replay.final_record(hit.record),
+                                           trace.ids())
 
-    async def _audit(self, kind: str, build: Callable[[], dict[str, Any]]) -> int:
+    async def _audit(self, kind: str, build: Callable[[], dict[str, Any]],
+                     ids: dict[str, str]) -> int:
         """Append a record (built off the event loop: masking scans every message) before
-        anything is streamed; fail closed by default. Returns its seq (0: not written)."""
+        anything is streamed; fail closed by default. Returns its seq (0: not written).
+        `ids`: the request's user and request ids as sent (indexed by keyed hash)."""
         if self.audit is None:
             return 0
         try:
-            return await self.audit.append(kind, await asyncio.to_thread(build))
+            return await self.audit.append(kind, await asyncio.to_thread(build), ids=ids)
         except AuditError as e:
             self._audit_serial_until = time.monotonic() + AUDIT_SERIAL_S
             log.error("audit trail unavailable", error=str(e), fail_open=self.audit_fail_open)
@@ -418,7 +423,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         seq = 0
         if self.audit is not None:
             try:
-                seq = await self.audit.append("request", await asyncio.to_thread(trace.final_record))
+                seq = await self.audit.append("request", await asyncio.to_thread(trace.final_record),
+                                              ids=trace.ids())
             except AuditError as e:
                 log.error("audit record lost", error=str(e))
         t = trace.terminal
@@ -454,7 +460,9 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
 def _log_outcome(event: chat_pb2.ChatServerMessage, started: float) -> None:
     # Outcomes only: prompts and answers belong to the audit trail, never to logs.
     if event.WhichOneof("event") == "error":
-        log.info("request failed", code=event.error.code, field=event.error.field)
+        # `metadata[KEY]` names a client's key, which may hold anything: logged as `metadata[…]`.
+        log.info("request failed", code=event.error.code,
+                 field=_CLIENT_KEY.sub("[…]", event.error.field))
     else:
         f = event.finished
         log.info(

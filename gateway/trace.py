@@ -1,7 +1,11 @@
 """What the gateway saw of one request, turned into its audit records.
 
 Values that rules say to mask or hash (`audit:` in the rule pack) are protected in every
-text a record stores: the messages, the delivered text, the suppressed text.
+text a record stores of what the client sent or the model said: the messages (as one
+conversation), the delivered and suppressed text, metadata keys and values, the app and
+user labels, the request id, stop sequences, error texts (PCI DSS 3.4: a card number may
+come in any of them). The user and request ids go to the audit log as sent too (`ids`), so
+that it indexes them by their keyed hash, never by the value (`audit.id_hash`).
 """
 
 from __future__ import annotations
@@ -39,12 +43,16 @@ class Trace:
     interventions: list[dict[str, Any]] = field(default_factory=list)
     terminal: chat_pb2.ChatServerMessage | None = None
     events: list[chat_pb2.ChatServerMessage] = field(default_factory=list)  # as the client got them
-    _messages: tuple[list[dict[str, str]], set[str]] | None = field(default=None, init=False, repr=False)
+    _stored: tuple[dict[str, Any], set[str]] | None = field(default=None, init=False, repr=False)
 
     def identity(self) -> dict[str, str]:
         """Tenant and key from the credential; app and end user as the app labels them."""
         return {"tenant": self.caller.tenant, "key_id": self.caller.key_id,
                 **{k: self.request.metadata.get(k, "") for k in CLIENT_LABELS}}
+
+    def ids(self) -> dict[str, str]:
+        """The client-chosen ids the trail indexes, as sent (indexed by keyed hash)."""
+        return {"user": self.request.metadata.get("user", ""), "request_id": self.request.request_id}
 
     def observe(self, event: chat_pb2.ChatServerMessage) -> None:
         """Record one event on its way to the client (suppressed text still attached)."""
@@ -64,15 +72,15 @@ class Trace:
 
     def started_record(self) -> dict[str, Any]:
         """Written before the first byte is streamed: a crash mid-answer still leaves a trace."""
-        messages, hashes = self._stored_messages()
-        return {**self.identity(), "request_id": self.request.request_id,
-                "messages": messages, "params": self._params(), "match_hashes": sorted(hashes)}
+        fields, hashes = self._stored_fields()
+        return {"tenant": self.caller.tenant, "key_id": self.caller.key_id, **fields,
+                "match_hashes": sorted(hashes)}
 
     def final_record(self, replayed: dict[str, Any] | None = None) -> dict[str, Any]:
         """The request's full record. For a cache hit, `replayed` is the record of the answer
         replayed: the hit names it and carries its interventions."""
         end = time.monotonic()
-        messages, hashes = self._stored_messages()
+        fields, hashes = self._stored_fields()
         hashes = set(hashes)
         if replayed is None:
             interventions = [self._protect(i, hashes) for i in self.interventions]
@@ -80,13 +88,13 @@ class Trace:
             interventions = replayed.get("interventions", [])
             hashes.update(replayed.get("match_hashes", []))
         record: dict[str, Any] = {
-            **self.identity(),
-            "request_id": self.request.request_id,
-            "metadata": dict(self.request.metadata),
+            "tenant": self.caller.tenant,
+            "key_id": self.caller.key_id,
+            **fields,
+            "metadata": {self._text(k, hashes): self._text(v, hashes)
+                         for k, v in sorted(self.request.metadata.items())},
             "model": self.model,
             "policy_version": self.policy_version,
-            "params": self._params(),
-            "messages": messages,
             "delivered": self._text("".join(self.delivered), hashes),
             "interventions": interventions,
             "cache_hit": self.cache_hit,
@@ -108,18 +116,29 @@ class Trace:
                                "completion_tokens": t.finished.usage.completion_tokens}
         elif t is not None:
             record["finish_reason"] = "ERROR"
-            record["error"] = {"code": t.error.code, "message": t.error.message,
-                               "field": t.error.field}
+            record["error"] = {"code": t.error.code, "message": self._text(t.error.message, hashes),
+                               "field": self._text(t.error.field, hashes)}
         record["match_hashes"] = sorted(hashes)
         return record
 
-    def _stored_messages(self) -> tuple[list[dict[str, str]], set[str]]:
-        if self._messages is None:
+    def _stored_fields(self) -> tuple[dict[str, Any], set[str]]:
+        """What both records store of the request, protected once (a scan per field): the
+        app and user labels, the request id, the messages, the sampling parameters."""
+        if self._stored is None:
             hashes: set[str] = set()
-            messages = [{"role": m.role, "content": self._text(m.content, hashes)}
-                        for m in self.request.messages]
-            self._messages = (messages, hashes)
-        return self._messages
+            # One conversation: a value split over two messages is masked in both.
+            contents = [m.content for m in self.request.messages]
+            if self.sensitive is not None:
+                contents = self.sensitive.messages(contents, hashes)
+            fields = {
+                **{k: self._text(self.request.metadata.get(k, ""), hashes) for k in CLIENT_LABELS},
+                "request_id": self._text(self.request.request_id, hashes),
+                "messages": [{"role": m.role, "content": c}
+                             for m, c in zip(self.request.messages, contents, strict=True)],
+                "params": self._params(hashes),
+            }
+            self._stored = (fields, hashes)
+        return self._stored
 
     def _text(self, text: str, hashes: set[str]) -> str:
         return self.sensitive.text(text, hashes) if self.sensitive else text
@@ -130,5 +149,8 @@ class Trace:
         return {**intervention, "suppressed": self.sensitive.suppressed(
             intervention.get("rule_id", ""), intervention["suppressed"], hashes)}
 
-    def _params(self) -> dict[str, Any]:
-        return json_format.MessageToDict(self.request.params, preserving_proto_field_name=True)
+    def _params(self, hashes: set[str]) -> dict[str, Any]:
+        params = json_format.MessageToDict(self.request.params, preserving_proto_field_name=True)
+        if params.get("stop"):
+            params["stop"] = [self._text(s, hashes) for s in params["stop"]]
+        return params

@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as redis
 
 from finsieve.client import wait_ready
-from finsieve.gateway.audit import AuditLog, derive_key, index_key, parse, record_key
+from finsieve.gateway.audit import AuditLog, derive_key, id_hash, index_key, parse, record_key
 from finsieve.gateway.cache import ResponseCache, cache_key
 from finsieve.gateway.keys import KeyStore
 from finsieve.secretfiles import write_private
@@ -214,10 +214,10 @@ def test_a_hit_is_audited_before_its_first_byte(tmp_path_factory, shared):
         assert event.started.cache_hit
         time.sleep(1.6)  # the pause ends; a write the gateway had in flight would land now
 
-        async def records(client, log):
-            seqs = await client.zrange(index_key("request_id", "k-2"), 0, -1)
+        async def records(client, log):  # request ids are indexed by their keyed hash
+            seqs = await client.zrange(index_key("request_id", id_hash(log.key, "request_id", "k-2")), 0, -1)
             return [parse(await client.get(record_key(int(s)))) for s in seqs], \
-                await client.zrange(index_key("request_id", "k-1"), 0, -1)
+                await client.zrange(index_key("request_id", id_hash(log.key, "request_id", "k-1")), 0, -1)
 
         (hit,), original = with_redis(shared, records)
     finally:

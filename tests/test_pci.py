@@ -1,0 +1,283 @@
+"""PCI DSS 3.4: no card number in clear anywhere the gateway writes, whatever the field or
+spelling (issue #42, finding 1). Real server (gateway, engine, the real model, embedded
+Valkey), real gRPC, the officers' real CLI.
+
+The scanner (`card_numbers`) looks for what a reader would take for one card number: a run
+of digit groups joined by short runs (1-3 characters) of spaces or punctuation, every run
+of whole consecutive groups that holds 13-19 digits and passes Luhn. Whole groups, because
+a reader does not start a number in the middle of a group: a zero-padded 20-digit index
+member holds Luhn-valid 13-digit windows that no one reads as a card. Left out on purpose,
+each by its shape, so that what the server must write anyway cannot read as a leak:
+  * a group glued to a letter (hex HMACs and hashes, base64, `04T01` in ISO times);
+  * a group that reads as a Unix time of 2020-2033 in s, ms, us or ns (10, 13, 16 or 19
+    digits from 16 to 19, as `ts_ms`, scores in the AOF), with its decimal fraction;
+  * CR, LF, `"`, `$`, `:`, `*` and `=` never join groups: they frame RESP (the AOF), JSON
+    and masks (`4111 11** **** 1111`), not numbers.
+None of the numbers sent here has one of those shapes, so none is excluded by them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from finsieve.client import chat_request
+from finsieve.gateway.sensitive import value_hash
+from finsieve.policy.inputs import apply_input_rules
+from finsieve.policy.matcher import StreamMatcher
+from finsieve.policy.pack import Pack
+
+from conftest import ChatStream, Server, text_of, wait_cached
+
+# Luhn-valid test numbers of the card networks, in spellings a reader takes for one number.
+COMMAS = "4111,1111,1111,1111"
+UNDERSCORES = "4111_1111_1111_1111"
+SPACED_DASHES = "4111 - 1111 - 1111 - 1111"
+DOUBLE_DOTS = "5500..0000..0000..0004"
+USER = "4111 1111 1111 1111"  # metadata `user`: an index of the trail
+TAG = "3782_822463_10005"  # another metadata key's value (Amex)
+STOP = "4000_0566_5566_5556"  # a stop sequence
+REQUEST_ID = "pci-6011,0009,9013,9424"  # the request id: an index too
+SPLIT = ("5425 2334", "3010 9903")  # one number over two user messages
+# What the model writes on its own, from an input that holds no card number: the four
+# groups of 4242 4242 4242 4242 joined by ", " (24 greedy tokens: the fourth and its ", ").
+ECHO_PROMPT = "Write these numbers separated by commas only: 4242, 4242, 4242 and 4242"
+
+_SEP = r'(?:[^\w\r\n"$:*=]|_){1,3}'  # \w: letters, digits and `_`; `_` does join groups
+_RUN = re.compile(rf"(?<![^\W_])\d+(?:{_SEP}\d+)*(?![^\W_])")  # not glued to a letter or digit
+_GROUP = re.compile(r"\d+")
+_TIME = re.compile(r"1[6-9](?:\d{8}|\d{11}|\d{14}|\d{17})")
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, d in enumerate(reversed(digits)):
+        n = unicodedata.digit(d)
+        total += (n * 2 - 9 if n > 4 else n * 2) if i % 2 else n
+    return total % 10 == 0
+
+
+def _readable_groups(run: str) -> list[list[re.Match[str]]]:
+    """The run's digit groups, split where a Unix time (and its fraction) stands."""
+    parts: list[list[re.Match[str]]] = [[]]
+    after_time = False
+    for g in _GROUP.finditer(run):
+        fraction = after_time and run[g.start() - 1] == "."
+        after_time = bool(_TIME.fullmatch(g.group()))
+        if after_time or fraction:
+            parts.append([])
+        else:
+            parts[-1].append(g)
+    return [p for p in parts if p]
+
+
+def card_numbers(text: str) -> list[str]:
+    """Every Luhn-valid run of 13-19 digits grouped the way a reader reads one number."""
+    found = []
+    for run in _RUN.finditer(text):
+        for groups in _readable_groups(run.group()):
+            for i in range(len(groups)):
+                digits = ""
+                for j in range(i, len(groups)):
+                    digits += groups[j].group()
+                    if len(digits) > 19:
+                        break
+                    if len(digits) >= 13 and _luhn(digits):
+                        found.append(run.group()[groups[i].start() : groups[j].end()])
+    return found
+
+
+def test_the_scanner_finds_every_spelling_and_skips_what_the_server_must_write():
+    for card in (COMMAS, UNDERSCORES, SPACED_DASHES, DOUBLE_DOTS, USER, TAG, STOP, "4111111111111111",
+                 "6011\u00a00009\u00a09013\u00a09424", "{finsieve-audit}:idx:user:4111 1111 1111 1111"):
+        assert card_numbers(f'"x":"a {card}."') != [], card
+    assert card_numbers(REQUEST_ID) != []
+    harmless = ('"ts_ms":1764811234567,"seq":12,"prev":"4111111111111111af09",'
+                '"audit_id":"00000000000000000012","user":"4111 11** **** 1111",'
+                "$13\r\n1764811234567\r\n$20\r\n00000000000000000012\r\n 1764811234.567890 "
+                "2025-12-04T01:16:30.123456Z, 1,234,567.89 and 127.0.0.1:50051")
+    assert card_numbers(harmless) == []
+
+
+DEFAULT = Pack.load(Path(__file__).resolve().parents[1] / "rules")
+
+
+def _cards(text: str, seed: int) -> list[str]:
+    """The card numbers the default output rules find, fed in small chunks as tokens come."""
+    rng, data = random.Random(seed), text.encode()
+    m, pos = StreamMatcher(DEFAULT.output), 0
+    while pos < len(data):
+        n = rng.randint(1, 5)
+        m.feed(data[pos : pos + n])
+        pos += n
+    m.finish()
+    return [data[x.start : x.end].decode() for x in m.matches if x.rule.id == "payment-card-number"]
+
+
+@pytest.mark.parametrize("card", [
+    COMMAS, UNDERSCORES, SPACED_DASHES, DOUBLE_DOTS, TAG, STOP, "4111，1111，1111，1111",
+    "4111、1111、1111、1111", "4111 | 1111 | 1111 | 1111", "6011,0009,9013,9424",
+    "4242, 4242, 4242, 4242", "3782,822463,10005"])
+def test_a_card_number_with_any_short_punctuation_between_its_groups_is_found(card):
+    for i, context in enumerate(("Number: {}. Thanks", "1. {}, ok", "号码{}已登记")):
+        assert _cards(context.format(card), seed=i) == [card], context.format(card)
+
+
+@pytest.mark.parametrize("text", [
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13", "12, 15, 18, 21, 24, 27, 30, 33",
+    "1,234,567,890,123.45", "$4242, $4242, $4242, $4242", "4111_1111_1111_1111_1111",
+    "4111,1111,1111,1111,1111", "4242, 4242, 4242 and 4242", "4111,1111,1111,1112"])
+def test_lists_amounts_longer_runs_and_bad_check_digits_are_not_cards(text):
+    assert _cards(f"See {text} here.", seed=0) == []
+
+
+def test_a_number_split_over_two_messages_is_redacted_and_masked_in_both():
+    from finsieve.engine.preparer import Message
+    from finsieve.gateway.sensitive import Sensitive
+
+    turns = [f"My card number is {SPLIT[0]}", f"{SPLIT[1]}. Repeat it.", "Thanks, 1234"]
+    verdict = apply_input_rules(DEFAULT.input, [Message("user", t) for t in turns])
+    assert [m["content"] for m in verdict.messages] == [
+        "My card number is [REDACTED:card]", "[REDACTED:card]. Repeat it.", "Thanks, 1234"]
+    assert [(e.rule_id, e.suppressed) for e in verdict.events] == [
+        ("payment-card-number", f"{SPLIT[0]}\n{SPLIT[1]}")]
+    hashes: set[str] = set()
+    assert Sensitive(DEFAULT, b"k").messages(turns, hashes) == [
+        "My card number is 5425 23**", "**** 9903. Repeat it.", "Thanks, 1234"]
+    assert hashes == {value_hash(b"k", "".join(SPLIT))}
+    # Digits at a boundary that are no card number together stay as they are.
+    apart = apply_input_rules(DEFAULT.input, [Message("user", "I have 4111 1111"),
+                                              Message("user", "1111 1112 apples")])
+    assert not apart.events
+
+
+def _digits(text: str) -> str:
+    return re.sub(r"\D", "", text)
+
+
+def _requests():
+    a = chat_request("pci-fields", f"Repeat exactly: {COMMAS} and {UNDERSCORES}.", max_tokens=6,
+                     stop=[STOP])
+    a.metadata.update({"app": "mobile", "user": USER, "loyalty": TAG})
+    b = chat_request(REQUEST_ID, f"Repeat: {SPACED_DASHES} and {DOUBLE_DOTS}", max_tokens=6)
+    c = chat_request("pci-split", f"My card number is {SPLIT[0]}", max_tokens=6)
+    c.messages.add(role="user", content=f"{SPLIT[1]}. Repeat it.")
+    d = chat_request("pci-echo", ECHO_PROMPT, max_tokens=24)
+    return [a, b, c, d]
+
+
+async def _everything_in(client) -> list[tuple[str, bytes]]:
+    """Every key name and every value of every type, as (key, bytes)."""
+    out: list[tuple[str, bytes]] = []
+    async for key in client.scan_iter(count=1000):
+        name = key.decode(errors="replace")
+        out.append((name, key))
+        kind = (await client.type(key)).decode()
+        if kind == "string":
+            out.append((name, await client.get(key) or b""))
+        elif kind == "hash":
+            out += [(name, k + b"=" + v) for k, v in (await client.hgetall(key)).items()]
+        elif kind == "list":
+            out += [(name, v) for v in await client.lrange(key, 0, -1)]
+        elif kind == "set":
+            out += [(name, v) for v in await client.smembers(key)]
+        elif kind == "zset":
+            out += [(name, m + b" " + str(s).encode())
+                    for m, s in await client.zrange(key, 0, -1, withscores=True)]
+        elif kind == "stream":
+            for entry_id, fields in await client.xrange(key):
+                out.append((name, entry_id + b" " + b" ".join(k + b"=" + v for k, v in fields.items())))
+        else:
+            raise AssertionError(f"{name}: a {kind} this test does not read")
+    return out
+
+
+async def _aof_files(client) -> list[Path]:
+    directory = Path((await client.config_get("dir"))["dir"])
+    sub = (await client.config_get("appenddirname")).get("appenddirname", "appendonlydir")
+    files = sorted(p for p in (directory / sub).glob("*") if p.is_file())
+    files += sorted(directory.glob("*.aof"))
+    return files
+
+
+def _cli(server: Server, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args, "--target",
+                          server.audit_target, "--state-dir", str(server.state)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_no_card_number_in_clear_in_valkey_its_aof_the_exports_or_the_log(server):
+    requests = _requests()
+
+    async def chat() -> dict[str, list]:
+        async with ChatStream(server.target) as s:
+            for r in requests:
+                s.send(r)
+            return await s.until_done(*(r.request_id for r in requests), timeout=240)
+
+    events = asyncio.run(chat())
+    for r in requests:  # the answer is cached once its final audit record is in
+        assert events[r.request_id][-1].WhichOneof("event") == "finished", events[r.request_id][-1]
+        wait_cached(server, events[r.request_id], r)
+
+    async def stored() -> tuple[list[tuple[str, bytes]], list[Path]]:
+        client = server.valkey()
+        try:
+            return await _everything_in(client), await _aof_files(client)
+        finally:
+            await client.aclose()
+
+    # The officers' exports first: their queries are access records in the trail too.
+    sources = {"export jsonl": _cli(server, "export", "--since", "1h")}
+    for fmt in ("jsonl", "csv", "table"):
+        sources[f"query {fmt}"] = _cli(server, "query", "--since", "1h", "--limit", "1000",
+                                       "--format", fmt)
+    by_user = _cli(server, "query", "--user", USER, "--format", "jsonl")
+    by_id = _cli(server, "query", "--request-id", REQUEST_ID, "--format", "jsonl")
+    matched = _cli(server, "query", "--match", "".join(SPLIT), "--format", "jsonl")
+    sources["query --user"], sources["query --request-id"] = by_user, by_id
+    sources["query --match"] = matched
+    values, aof = asyncio.run(stored())
+    assert len(values) > 20 and aof
+    sources.update({f"valkey {name}": v.decode(errors="replace") for name, v in values})
+    sources.update({f"aof {p.name}": p.read_bytes().decode(errors="replace") for p in aof})
+    sources["server log"] = server.log()
+
+    assert "pci-split" in sources["export jsonl"]  # the records are there to be scanned
+    # On the way to the client, too: the model wrote 4242, 4242, 4242, 4242 itself.
+    sources.update({f"delivered to {r.request_id}": text_of(events[r.request_id]) for r in requests})
+    leaks = {where: found for where, text in sources.items() if (found := card_numbers(text))}
+    assert leaks == {}
+    # The split number: neither half is anywhere whole (masked, the first keeps 6 digits,
+    # the second 4).
+    for where, text in sources.items():
+        runs = [_digits(m.group()) for m in _RUN.finditer(text)]
+        assert not [r for r in runs if any(_digits(half) in r for half in SPLIT)], where
+
+    # Officers still find the records: by user and by request id (looked up by their keyed
+    # hash), and the split number by --match.
+    assert {(r["request_id"], r["type"]) for r in map(json.loads, by_user.splitlines())} == {
+        ("pci-fields", "request_started"), ("pci-fields", "request")}
+    assert len(by_id.splitlines()) == 2
+    final = next(r for r in map(json.loads, by_user.splitlines()) if r["type"] == "request")
+    assert final["user"] == "4111 11** **** 1111"
+    assert final["metadata"]["loyalty"] == "3782_82****_*0005"
+    assert {json.loads(r)["request_id"] for r in matched.splitlines()} == {"pci-split"}
+    assert "[REDACTED:card]" in text_of(events["pci-echo"])
+    # The model never read the split number: the input rules redacted it from both messages.
+    assert [e.policy_event.rule_id for e in events["pci-split"] if e.HasField("policy_event")] == [
+        "payment-card-number"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
