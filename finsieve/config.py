@@ -57,6 +57,9 @@ class Settings:
         "everysec", "embedded Valkey's AOF fsync policy (see README: what each can lose)")
     cache_ttl_s: int = _setting(3600, "response cache entry lifetime; 0 = no cache")
     cache_max_bytes: int = _setting(262144, "largest response the cache keeps")
+    cache_store_wait_ms: int = _setting(
+        500, "a repeat of an answer still being stored waits this long for its cache entry "
+        "(same gateway); 0 = no wait")
     audit_retention_days: float = _setting(
         0.0, "delete audit records older than this (behind a signed checkpoint); 0 = keep all")
     allow_insecure: bool = _setting(
@@ -218,7 +221,7 @@ class Settings:
         for name in ("key_cache_s", "tenant_requests_per_s", "tenant_tokens_per_min",
                      "tenant_concurrent_streams", "mixed_tokens", "prompt_batch_tokens",
                      "prompt_wait_steps",
-                     "prepare_workers"):
+                     "prepare_workers", "cache_store_wait_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.prepare_workers > 64:

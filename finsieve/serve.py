@@ -340,8 +340,8 @@ async def _start_gateway(
                       engine_credentials)
     pool.start()
     stack.push_async_callback(pool.close)
-    cache = ResponseCache(client, audit, settings.cache_ttl_s, settings.cache_max_bytes) \
-        if settings.cache_ttl_s > 0 else None
+    cache = ResponseCache(client, audit, settings.cache_ttl_s, settings.cache_max_bytes,
+                          settings.cache_store_wait_ms / 1000) if settings.cache_ttl_s > 0 else None
     limits = Limits(settings.max_tokens_limit, settings.max_input_bytes, settings.max_messages)
     bounds = Bounds(settings.max_in_flight_per_stream, settings.max_in_flight_per_connection,
                     settings.outbox_max_events, settings.slow_reader_grace_s)

@@ -12,21 +12,31 @@ moved from another key, of another model or version, past its expiry, whose audi
 is missing or altered, or whose text matches an output rule in force, is deleted, counted
 (`finsieve_cache_rejected_total{reason}`), logged, and the request served uncached. Redis
 trouble never fails a request: it is served uncached.
+
+An answer is stored after the client has its last event (its audit record first). A repeat
+of it that reaches this gateway meanwhile waits for that store (at most `store_wait_s`)
+instead of missing: without the wait, a client that asks again as soon as it has the answer
+missed whenever the record and the entry took longer to write than its request took to
+arrive (1 in 10 on loopback; always with a Redis a few milliseconds away). Why an answer was
+not stored is counted (`finsieve_cache_stores_total{result}`) and logged at debug level.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as redis
 import structlog
 from google.protobuf.message import DecodeError
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from finsieve.policy.matcher import scan_text
 from finsieve.policy.pack import Pack
@@ -38,6 +48,11 @@ log = structlog.get_logger(__name__)
 
 LOOKUPS = Counter("finsieve_cache_lookups", "Response cache lookups", ["result"])
 REJECTED = Counter("finsieve_cache_rejected", "Cache entries deleted on lookup", ["reason"])
+STORES = Counter("finsieve_cache_stores", "Answers of cacheable requests: stored, or why not",
+                 ["result"])
+STORE_WAITS = Counter("finsieve_cache_store_waits",
+                      "Lookups that waited for the same answer's entry being stored", ["outcome"])
+WAITING = Gauge("finsieve_cache_store_waiting", "Lookups waiting now for an entry being stored")
 PREFIX = "finsieve:cache:"
 _MAC_LEN = 64  # hex SHA-256
 
@@ -74,17 +89,66 @@ class _Rejected(Exception):
         self.reason = reason
 
 
+def lookup_skipped(reason: str) -> None:
+    """A request served uncached without a lookup: no engine announced yet, or the
+    gateway's rules are not the version the engine announced (fail closed)."""
+    LOOKUPS.labels(f"skipped_{reason}").inc()
+    log.debug("cache not looked up", reason=reason)
+
+
+def not_stored(reason: str) -> None:
+    """An answer that will not be cached, and why (counted; logged at debug level)."""
+    STORES.labels(reason).inc()
+    log.debug("answer not cached", reason=reason)
+
+
 class ResponseCache:
-    def __init__(self, client: redis.Redis, audit: AuditLog, ttl_s: int, max_bytes: int) -> None:
+    def __init__(self, client: redis.Redis, audit: AuditLog, ttl_s: int, max_bytes: int,
+                 store_wait_s: float = 0.5) -> None:
         self.redis = client
         self.audit = audit
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
+        self.store_wait_s = store_wait_s
         self._key = derive_key(audit.key, "cache")
+        # Keys whose answer is being stored, with how many stores of it are under way: one
+        # entry per request completing, so bounded by the requests in flight.
+        self._storing: dict[str, tuple[asyncio.Event, int]] = {}
+
+    @asynccontextmanager
+    async def storing(self, key: str) -> AsyncIterator[None]:
+        """Around an answer's audit record and store: lookups of `key` wait for it. Entered
+        before the caller's first await, so no request that arrives after the answer's last
+        event can look up before it."""
+        done, count = self._storing.get(key, (asyncio.Event(), 0))
+        self._storing[key] = (done, count + 1)
+        try:
+            yield
+        finally:
+            done, count = self._storing[key]
+            if count > 1:
+                self._storing[key] = (done, count - 1)
+            else:
+                del self._storing[key]
+                done.set()
+
+    async def _await_store(self, key: str) -> None:
+        pending = self._storing.get(key)
+        if pending is None or self.store_wait_s <= 0:
+            return
+        try:
+            with WAITING.track_inprogress():
+                await asyncio.wait_for(pending[0].wait(), self.store_wait_s)
+            STORE_WAITS.labels("stored").inc()
+        except TimeoutError:
+            STORE_WAITS.labels("timeout").inc()
+            log.info("cache lookup did not wait longer for the same answer's store",
+                     wait_s=self.store_wait_s, entry=key.removeprefix(PREFIX)[:16])
 
     async def get(self, key: str, model: str, policy_version: str,
                   rules: Pack | None) -> CachedAnswer | None:
         """The verified entry, or None (a miss, Redis trouble, or a rejected entry)."""
+        await self._await_store(key)
         try:
             # At most max_bytes + 1 bytes: a planted giant value is never read whole.
             raw = await self.redis.getrange(key, 0, self.max_bytes)
@@ -163,11 +227,15 @@ class ResponseCache:
         body = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()
         blob = hmac.new(self._key, body, hashlib.sha256).hexdigest().encode() + body
         if len(blob) > self.max_bytes:
+            not_stored("oversize")  # FINSIEVE_CACHE_MAX_BYTES
             return
         try:
             await self.redis.set(key, blob, ex=self.ttl_s)
         except (redis.RedisError, OSError) as e:
+            STORES.labels("error").inc()
             log.warning("cache store failed", error=type(e).__name__)
+            return
+        STORES.labels("stored").inc()
 
 
 def _text(events: list[chat_pb2.ChatServerMessage]) -> str:

@@ -14,6 +14,7 @@ still on it is cancelled at the engine and audited as CANCELLED.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import secrets
@@ -39,7 +40,7 @@ from finsieve.policy.reload import PolicyHolder
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 from .audit import AuditError, AuditLog
-from .cache import CachedAnswer, ResponseCache, cache_key
+from .cache import CachedAnswer, ResponseCache, cache_key, lookup_skipped, not_stored
 from .engines import TERMINAL, EngineClient, EnginePool
 from .frames import BadFrame
 from .identity import ClientAuthenticator
@@ -381,7 +382,10 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         new requests; none while this gateway's own rules are another version (fail closed)."""
         status = self.engines.status()
         version = policy.version if policy else "none"
-        if self.cache is None or status is None or status.policy_version != version:
+        if self.cache is None:
+            return None
+        if status is None or status.policy_version != version:
+            lookup_skipped("no_engine" if status is None else "policy_version")
             return None
         key = cache_key(trace.identity()["tenant"], status.model, version, req)
         if key is None:
@@ -419,20 +423,38 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
 
     async def _complete(self, trace: Trace) -> None:
         """After the terminal event: the full audit record, then the cache entry (stored
-        under the model and version of the answer's own Started event)."""
-        seq = 0
-        if self.audit is not None:
-            try:
-                seq = await self.audit.append("request", await asyncio.to_thread(trace.final_record),
-                                              ids=trace.ids())
-            except AuditError as e:
-                log.error("audit record lost", error=str(e))
+        under the model and version of the answer's own Started event). A lookup of the
+        same key meanwhile waits for the entry: marked before the first await."""
+        key = self._store_key(trace)
+        async with self.cache.storing(key) if key and self.cache else contextlib.nullcontext():
+            seq = 0
+            if self.audit is not None:
+                try:
+                    seq = await self.audit.append("request", await asyncio.to_thread(trace.final_record),
+                                                  ids=trace.ids())
+                except AuditError as e:
+                    log.error("audit record lost", error=str(e))
+            if key is not None and self.cache is not None:
+                if seq:
+                    await self.cache.put(key, trace.events, seq)
+                else:
+                    not_stored("no_audit_record")  # a hit must name its answer's record
+
+    def _store_key(self, trace: Trace) -> str | None:
+        """The key this answer is cached under; None, counted with why, when it is not."""
+        if self.cache is None:
+            return None
         t = trace.terminal
-        if (seq and self.cache is not None and t is not None and t.WhichOneof("event") == "finished"
-                and t.finished.finish_reason != chat_pb2.FINISH_REASON_CANCELLED):
-            key = cache_key(trace.identity()["tenant"], trace.model, trace.policy_version, trace.request)
-            if key is not None:
-                await self.cache.put(key, trace.events, seq)
+        if t is None or t.WhichOneof("event") != "finished":
+            not_stored("error")
+        elif t.finished.finish_reason == chat_pb2.FINISH_REASON_CANCELLED:
+            not_stored("cancelled")  # a partial answer; e.g. a client that stopped reading
+        elif (key := cache_key(trace.identity()["tenant"], trace.model, trace.policy_version,
+                               trace.request)) is None:
+            not_stored("not_deterministic")  # sampled without a seed
+        else:
+            return key
+        return None
 
     def _in_background(self, coro) -> None:
         task = asyncio.create_task(coro)

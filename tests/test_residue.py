@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import re
 import subprocess
 import sys
 import time
@@ -172,3 +173,214 @@ def test_records_appended_during_a_verify_are_not_beyond_the_head(valkey):
 
     verdicts = _with_log(valkey, go)
     assert verdicts and all(v.ok for v in verdicts), [v.reason for v in verdicts if not v.ok]
+
+
+# -- finding 8: a repeated seeded request with an external Redis ----------------------------
+
+
+def _metric(url: str, name: str) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+@pytest.mark.slow  # a server of its own: ~80 s on two shared cores
+def test_a_repeat_sent_as_soon_as_the_answer_arrives_is_a_cache_hit(tmp_path, valkey,
+                                                                      default_model_dir):
+    """Finding 8, reproduced: an external Redis (`FINSIEVE_REDIS_URL`), an app key made with
+    `keys create --direct`, `serve --role all`. The gateway stores an answer after the
+    client has its last event (the audit record first, then the entry): a repeat that
+    arrived before both writes landed was a miss, and was with a Redis a few milliseconds
+    away. Here Valkey itself holds the writes (CLIENT PAUSE WRITE, as a slow or distant
+    Redis would) from before the answer ends until the repeat has been looked up."""
+    from finsieve.gateway.cache import cache_key
+
+    from conftest import ChatStream, free_port, start_server
+
+    metrics = free_port()
+    env = {"FINSIEVE_REDIS_URL": f"redis://:{valkey.password}@127.0.0.1:{valkey.port}/0",
+           # No rate or stream limits: the repeat's path to its lookup writes nothing.
+           "FINSIEVE_TENANT_REQUESTS_PER_S": "0", "FINSIEVE_TENANT_TOKENS_PER_MIN": "0",
+           "FINSIEVE_TENANT_CONCURRENT_STREAMS": "0", "FINSIEVE_KEY_CACHE_S": "600",
+           "FINSIEVE_CACHE_STORE_WAIT_MS": "30000"}
+    srv = start_server(tmp_path, "--role", "all", "--model", str(default_model_dir),
+                       "--metrics-port", str(metrics), env=env)
+    metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+    try:
+        made = subprocess.run([sys.executable, "-m", "finsieve.cli", "keys", "create", "--direct",
+                               "--tenant", "bank-r", "--role", "app", "--state-dir", str(srv.state)],
+                              capture_output=True, text=True, timeout=60,
+                              env={**__import__("os").environ, **env})
+        assert made.returncode == 0, made.stderr
+        key = made.stdout.splitlines()[0]
+
+        def ask(rid: str):
+            return chat_request(rid, "Name three colours.", max_tokens=12, temperature=0.7, seed=42)
+
+        async def go():
+            client = redis.Redis(port=valkey.port, password=valkey.password)
+            try:
+                async with ChatStream(srv.target, key) as s:
+                    # Another question: opens the gateway's stream to its engine.
+                    s.send(chat_request("warm-up", "Hi", max_tokens=1))
+                    await s.until_done("warm-up")
+                    s.send(ask("first"))
+                    while not any(e.request_id == "first" and e.WhichOneof("event") == "delta"
+                                  for e in s.events):
+                        await s.next()
+                    await client.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
+                    try:
+                        first = (await s.until_done("first"))["first"]
+                        started = first[0].started
+                        entry = cache_key("bank-r", started.model, started.policy_version, ask("x"))
+                        assert not await client.exists(entry)  # its store is still held
+                        looked_up = (await client.info("commandstats")).get(
+                            "cmdstat_getrange", {}).get("calls", 0)
+                        s.send(ask("repeat"))
+                        deadline = time.monotonic() + 60
+                        while time.monotonic() < deadline:  # until the repeat was looked up
+                            stats = await client.info("commandstats")
+                            if stats.get("cmdstat_getrange", {}).get("calls", 0) > looked_up or \
+                                    _metric(metrics_url, "finsieve_cache_store_waiting") >= 1:
+                                break
+                            await asyncio.sleep(0.02)
+                        else:
+                            raise AssertionError("the repeat was never looked up")
+                    finally:
+                        await client.execute_command("CLIENT", "UNPAUSE")
+                    repeat = (await s.until_done("repeat"))["repeat"]
+                    return first, repeat
+            finally:
+                await client.aclose()
+
+        first, repeat = asyncio.run(go())
+        assert not first[0].started.cache_hit
+        assert repeat[0].started.cache_hit, "the repeat was a cache miss"
+        assert "".join(e.delta.text for e in repeat if e.HasField("delta")) == \
+            "".join(e.delta.text for e in first if e.HasField("delta"))
+        assert _metric(metrics_url, "finsieve_cache_store_waits_total") >= 1
+    finally:
+        srv.stop()
+
+
+# -- the rollback bound, on the real model ---------------------------------------------------
+
+# Any two words in a row: whatever the model is steered to after a rollback, it comes back
+# to the blocked shape at once, so every request reaches the bound. The match always starts
+# in an earlier token than the one that completes it: a rollback, never a resample.
+TWO_WORDS = """\
+rules:
+  - id: two-words
+    description: a phrase the model cannot stay away from
+    kind: regex
+    patterns: ['[a-z]+\\s+[a-z]+']
+    max_span: 60
+    action: block
+"""
+
+
+@pytest.fixture(scope="module")
+def two_words(engine, tmp_path_factory):
+    from finsieve.policy.guard import compile_policy
+    from finsieve.policy.masks import TokenTable
+
+    directory = tmp_path_factory.mktemp("two-words")
+    (directory / "p.yaml").write_text(TWO_WORDS)
+    return compile_policy(directory, TokenTable.build(engine.token_bytes), None)[0]
+
+
+@pytest.mark.parametrize("bound", [0, 3])
+def test_a_model_steered_back_to_a_blocked_phrase_halts_at_the_rollback_bound(
+        engine, two_words, bound):
+    from finsieve.engine.engine import NO_POLICY
+    from finsieve.v1 import chat_pb2
+
+    engine.policy, engine.max_rollbacks = (lambda: two_words), bound
+    try:
+        events = engine.generate(chat_request("rb", 'Repeat exactly: "we offer great plans"',
+                                              max_tokens=24))
+    finally:
+        engine.policy, engine.max_rollbacks = (lambda: NO_POLICY), 8
+    interventions = [e.policy_event for e in events if e.WhichOneof("event") == "policy_event"]
+    rollbacks = [i for i in interventions if i.rolled_back]
+    assert events[-1].finished.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER, events[-1]
+    assert len(rollbacks) == bound, [(i.action, i.rolled_back) for i in interventions]
+    assert all(i.rule_id == "two-words" and i.tokens_recomputed >= 1 for i in rollbacks)
+    assert len(interventions) == bound + 1  # and the halt, after the bound
+    delivered = "".join(e.delta.text for e in events if e.WhichOneof("event") == "delta")
+    assert not re.search(r"[a-z]+\s+[a-z]+", delivered.lower()), delivered
+
+
+# -- hot reload of a rules file caught half-written ------------------------------------------
+
+RULE = """\
+rules:
+  - id: {id}
+    description: a test rule
+    kind: literal
+    patterns: [{pattern}, "{pattern} again"]
+    action: block
+"""
+
+
+@pytest.mark.parametrize("cut, line", [
+    ('patterns: [baz, "baz ag', 5),  # inside a quoted pattern: not YAML yet
+    ("kind: lit", 4),  # inside a value: a rule with an unknown kind and no action
+])
+def test_a_rules_file_caught_half_written_is_refused_then_loaded_once_complete(
+        tmp_path, cut, line):
+    from finsieve.policy.pack import Pack
+    from finsieve.policy.reload import RELOADS, PolicyHolder, RulesWatcher
+
+    def compile_pack(directory):
+        pack = Pack.load(directory)
+        return pack, pack.version
+
+    def until(condition) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, "the watcher did not act within 20 s"
+            time.sleep(0.01)
+
+    def rejections() -> float:
+        return RELOADS.labels("rejected")._value.get()
+
+    (tmp_path / "a.yaml").write_text(RULE.format(id="first", pattern="foo"))
+    holder = PolicyHolder(*compile_pack(tmp_path))
+    watcher = RulesWatcher(tmp_path, holder, compile_pack, debounce_ms=50)
+    watcher.start()
+    try:
+        # The watcher is up once it loads a change: written again until it does, since a
+        # write before its watch began is not seen (no sleep for it).
+        def second_loaded() -> bool:
+            if holder.current.rule("second") is not None:
+                return True
+            (tmp_path / "b.yaml").write_text(RULE.format(id="second", pattern="bar"))
+            time.sleep(0.1)
+            return False
+        until(second_loaded)
+        in_force, rejected = holder.version, rejections()
+
+        whole = RULE.format(id="third", pattern="baz")
+        head = whole[:whole.index(cut) + len(cut)]
+        assert whole.startswith(head) and head != whole
+        with (tmp_path / "c.yaml").open("w") as f:  # the writer has written half, not closed
+            f.write(head)
+            f.flush()
+            until(lambda: holder.events[-1].kind == "rule_pack_rejected")
+            assert holder.version == in_force and holder.current.rule("third") is None
+            assert rejections() == rejected + 1
+            reason = holder.events[-1].reason
+            assert f"{tmp_path / 'c.yaml'}:{line}:" in reason, reason
+            assert "b.yaml" not in reason and "a.yaml" not in reason
+            f.write(whole[len(head):])  # the rest of the write
+        until(lambda: holder.version != in_force)
+        assert holder.current.rule("third") is not None
+        assert holder.current.rule("first") is not None and holder.current.rule("second") is not None
+        assert holder.events[-1].kind == "rule_pack_loaded"
+    finally:
+        watcher.stop()
