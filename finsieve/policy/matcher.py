@@ -13,11 +13,21 @@ finds them (Literals.scan). So a rollback only restores that tail.
 Regexes: searched with partial matching over a bounded window; a complete match that
 could still grow into a longer one (the rest of the text is a prefix of a match from the
 same start) is held until it is settled.
+
+Invisible characters have two readings (normalize.py): the matcher reads the text the first
+way, and from the first character where the other reading can differ (an invisible, a line
+break after a hyphen) also the other way, with a second matcher fed the same tokens (the text
+so far replayed token by token when it starts, so both keep a checkpoint per token). Its
+matches count as this matcher's (once: not where one of the same rule overlaps), and the safe
+point is the earlier of the two. While the text ends in a hyphen after a letter, a line break
+may still come and join the words around it in the other reading: the safe point stays
+before every match that could then span the join.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import time
 from collections.abc import Callable
@@ -26,7 +36,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from prometheus_client import Counter
 
-from .normalize import Normalizer
+from .normalize import Hold, Normalizer, OtherNormalizer
 from .pack import RuleSet
 from .schema import EDITS, Rule
 from .scripts import accepts
@@ -100,6 +110,7 @@ class _Checkpoint(NamedTuple):
     n_norm: int
     last_end: int
     space: tuple[int, int] | None
+    hyphen: Hold | None
     depth: int
     in_making: tuple[tuple[int, int], ...]
     n_matches: int
@@ -112,12 +123,20 @@ WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it sea
 
 
 class StreamMatcher:
-    def __init__(self, rules: RuleSet, deadline: float | None = None) -> None:
+    def __init__(self, rules: RuleSet, deadline: float | None = None, other: bool = False,
+                 second_reading: bool = True) -> None:
         """deadline (perf_counter): a whole-text scan, off the decode loop, whose searches
-        may be retried until then (within_cpu_budget); None: the plain timeout."""
+        may be retried until then (within_cpu_budget); None: the plain timeout.
+        other: read the text the other way (normalize.py), as the second reading does.
+        second_reading: False reads the first way only (what token masks are exact for)."""
         self.rules = rules
         self._deadline = deadline
-        self.norm = Normalizer()
+        self._is_other = other or not second_reading  # never starts a second reading
+        self.norm = OtherNormalizer() if other else Normalizer()
+        # The other reading, from where it can differ (see above); None: not yet.
+        self._other: StreamMatcher | None = None
+        # How far before a trailing hyphen a match that it may join can begin.
+        self._join_span = max(rules.max_regex_span + 1, rules.literals.max_len)
         self.raw = bytearray()
         self.matches: list[Match] = []
         # The redact and rewrite matches by start (found order among equal starts), and the
@@ -145,8 +164,36 @@ class StreamMatcher:
             self._window = (self._window + new)[-self._window_len :]
             self._literals(new, found)
             self._regexes(found, new, final=False)
+        if self._other is not None:
+            self._adopt(self._other.feed(data), found)
+        elif self.norm.diverged_at is not None and not self._is_other:
+            self._other = self._other_reading()
+            self._adopt(self._other.feed(data), found)
         self._checkpoints.append(self._snapshot())
         return found
+
+    def _other_reading(self) -> StreamMatcher:
+        """A matcher reading the text the other way, fed the tokens so far (their matches are
+        this one's: the readings differ only from the token being fed)."""
+        other = StreamMatcher(self.rules, self._deadline, other=True)
+        raw, checkpoints = self.raw, self._checkpoints
+        for a, b in itertools.pairwise(checkpoints):
+            other.feed(bytes(raw[a.raw_len : b.raw_len]))
+        return other
+
+    def _adopt(self, matches: list[Match], found: list[Match]) -> None:
+        """The other reading's new matches, but those already found (the same rule over the
+        same raw span: text that reads the same both ways). Each reading's matches do not
+        depend on how the text was cut into tokens, so neither does their union."""
+        for m in matches:
+            if any(x.rule is m.rule and x.start == m.start and x.end == m.end
+                   for x in self.matches[-32:]):
+                continue
+            self.matches.append(m)
+            if m.rule.action in EDITS:
+                bisect.insort(self.edits, m, key=_start)
+                self._longest_edit = max(self._longest_edit, m.end - m.start)
+            found.append(m)
 
     def finish(self) -> list[Match]:
         """The stream ended: settle the held space and regex matches waiting for more text."""
@@ -157,6 +204,8 @@ class StreamMatcher:
             self._literals(new, found)
         self._regexes(found, new, final=True)
         self.depth, self._tail = 0, ""
+        if self._other is not None:
+            self._adopt(self._other.finish(), found)
         return found
 
     @property
@@ -174,9 +223,17 @@ class StreamMatcher:
         first_unsafe = n - self.depth
         if self._in_making:
             first_unsafe = min(first_unsafe, *self._in_making.values())
+        if self._other is not None:
+            own = norm.raw_start[first_unsafe] if first_unsafe < n else norm.settled
+            return min(own, self._other.safe_point)
+        if n and norm.text[-1] in "- " and not self._is_other:
+            hyphen = norm.hyphen_at()  # a line break may yet join the words around it
+            if hyphen is not None:
+                first_unsafe = min(first_unsafe, max(hyphen - self._join_span, 0))
         if first_unsafe < n:
             return norm.raw_start[first_unsafe]
-        return norm.space[0] if norm.space else norm.decoded_len  # norm.settled
+        # norm.settled
+        return norm.space[0] if norm.space else norm.hyphen[0] if norm.hyphen else norm.decoded_len
 
     @property
     def tokens(self) -> int:
@@ -208,7 +265,13 @@ class StreamMatcher:
         cp = self._checkpoints[tokens]
         del self._checkpoints[tokens + 1 :]
         del self.raw[cp.raw_len :]
-        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end, cp.space)
+        self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end,
+                           cp.space, cp.hyphen)
+        if self._other is not None:
+            if self.norm.diverged_at is None:  # nothing left that reads otherwise
+                self._other = None
+            else:
+                self._other.rollback(tokens)
         for m in self.matches[cp.n_matches :]:
             if m.rule.action in EDITS:
                 i = bisect.bisect_left(self.edits, m.start, key=_start)
@@ -396,7 +459,7 @@ class StreamMatcher:
         return _new_checkpoint(_Checkpoint, (
             norm.raw_len, norm.decoded_len,
             norm.pending if norm.raw_len != norm.decoded_len else b"", len(norm.text),
-            norm.raw_end[-1] if norm.raw_end else 0, norm.space, self.depth,
+            norm.raw_end[-1] if norm.raw_end else 0, norm.space, norm.hyphen, self.depth,
             tuple(self._in_making.items()) if self._in_making else (), len(self.matches)))
 
 

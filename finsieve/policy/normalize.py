@@ -2,10 +2,14 @@
 
 Each raw character maps to its fold, whatever surrounds it:
 
-  * whitespace and control characters (C0, C1) read as a space; runs of spaces collapse;
-  * default-ignorable and format characters (zero-width joiner and space, soft hyphen,
-    bidi overrides and isolates, variation selectors, tag characters, Hangul fillers) and
-    decorating marks (nonspacing and enclosing: accents, strike-through, circles) vanish;
+  * whitespace (Unicode's White_Space: spaces, tabs, line breaks, NEL) and the other
+    control characters (C0, C1) read as a space; runs of spaces collapse;
+  * every other *invisible* character vanishes: Default_Ignorable_Code_Point and general
+    category Cf, from Unicode's data as the `regex` module has it (zero-width joiner and
+    space, soft hyphen, bidi marks, overrides and isolates, variation selectors, tag
+    characters, Hangul fillers, U+FFF9-FFFB, the Arabic and Syriac number and abbreviation
+    marks U+0600-0605, U+070F, U+08E2, the hieroglyph format controls U+13430-1343F), and so
+    do decorating marks (nonspacing and enclosing: accents, strike-through, circles);
   * NFKC (full-width `１５％` → `15%`, `ﬁ` → `fi`), then case folding (`Straße` → `strasse`);
   * every dash reads as `-`;
   * a non-ASCII character that looks like a Latin letter or digit reads as it, per the
@@ -15,6 +19,28 @@ Each raw character maps to its fold, whatever surrounds it:
 One rule looks at the neighbours: a space between two CJK characters (Han, kana,
 bopomofo) vanishes, so `稳 赚 不 赔` reads `稳赚不赔`. A space after a CJK character is held
 (pending, like an incomplete UTF-8 character) until the next character shows which it is.
+
+**Two readings of an invisible.** Inside a word an invisible character vanishes
+(`guar\u200banteed` is `guaranteed`, and so is `guar\x00anteed`); standing as the only
+separator between two words it is a space (`guaranteed\u200breturns` is `guaranteed
+returns`, and so is `guaranteed\x00returns`). The two look the same (a letter, an invisible,
+a letter) and no rule without a dictionary tells them apart, so rules match both readings:
+
+  * the *first* reading (`Normalizer`, `normalize`) is the one above: each invisible as it
+    most often stands (a format character inside a word, a control character between words,
+    as the whitespace controls are). Token masks and patterns are computed over it;
+  * the *other* reading (`OtherNormalizer`, `normalize_other`) reads each invisible the other
+    way (a format character as a space, a control character as nothing), and a hyphen (any
+    dash, or a soft hyphen) after a letter, followed by whitespace that holds a line break,
+    then a letter, vanishes with that whitespace (`guaran-\r\nteed` is `guaranteed`;
+    `well-known`, `a - b`, `5-\nyear` and `end-\n- item` stay as they are). Such a hyphen
+    is held (pending) until the next visible character decides it.
+
+The matcher (matcher.py) runs the other reading beside the first from the first character
+where they can differ (an invisible, or a line break after such a hyphen) and reports the
+matches of both; a text with neither is read once. A phrase that needs an invisible of one
+class read both ways at once (`guar\u200banteed\u200breturns`) is not caught: a reader sees
+`guaranteedreturns` there, words run together as in plain text, which no reading splits.
 
 Every normalized character keeps the raw byte span that produced it (holdback, rollback and
 redaction act on raw text) and the script of its raw character (`scripts.py`): a match whose
@@ -31,6 +57,7 @@ import codecs
 import re
 import unicodedata
 from functools import lru_cache
+from typing import NamedTuple
 
 import disarm
 import regex
@@ -39,14 +66,25 @@ from .memo import remember
 from .scripts import ALNUM, LATIN, script_tag
 from .utf8 import replaced_in_step
 
-# Bump when the view changes for the same Unicode data; the data versions are part of it.
-VIEW_VERSION = f"2/unicode-{unicodedata.unidata_version}/confusables-{disarm.CONFUSABLES_VERSION}"
+# Bump when the view changes for the same Unicode data; the data versions are part of it
+# (the `regex` module's version stands for its Unicode data: it classes the invisibles).
+VIEW_VERSION = (f"3/unicode-{unicodedata.unidata_version}/regex-{regex.__version__}"
+                f"/confusables-{disarm.CONFUSABLES_VERSION}")
 
 # Printable ASCII without a run of spaces: its normalized form is its lower case.
 _PLAIN_ASCII = re.compile(rb"(?: ?[!-~])+ ?| ")
 _ASCII_TAGS = bytes(LATIN if chr(b).isalpha() else ALNUM if chr(b).isdigit() else 0
                     for b in range(128)) + bytes(128)
-_INVISIBLE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Mn}\p{Me}]")
+# Invisible characters (see above): those that vanish, and all of them with the decorating
+# marks (what never stays in a fold).
+_IGNORED = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Cf}]")
+_INVISIBLE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Cf}\p{Cc}\p{Mn}\p{Me}]")
+_WHITE_SPACE = regex.compile(r"\p{White_Space}")
+_CONTROL = regex.compile(r"\p{Cc}")
+_LINE_BREAKS = frozenset("\n\v\f\r\x85\u2028\u2029")  # White_Space that ends a line
+_SOFT_HYPHEN = "\u00ad"
+# What a raw character is besides its fold (fold_kind): most are neither.
+INVISIBLE, LINE_BREAK = 1, 2
 _CJK = regex.compile(r"[\p{scx=Han}\p{scx=Hiragana}\p{scx=Katakana}\p{scx=Bopomofo}]")
 
 # What a matcher's text ends in decides how the next token's first characters join it.
@@ -91,20 +129,37 @@ def _base(text: str) -> str:
                    for c in out if not _INVISIBLE.match(c))
 
 
+def is_letter(ch: str) -> bool:
+    """A letter that a line-break hyphen may join (CJK text is not hyphenated)."""
+    return ch.isalpha() and not is_cjk(ch)
+
+
 @lru_cache(maxsize=65536)
-def fold_tagged(ch: str) -> tuple[str, int]:
-    """The normalized form of one raw character ('' when it vanishes), and its script tag."""
-    if ch.isspace() or unicodedata.category(ch) == "Cc":
-        return " ", 0
+def fold_kind(ch: str) -> tuple[str, int, int]:
+    """The normalized form of one raw character in the first reading ('' when it
+    vanishes), its script tag, and its kind: INVISIBLE (the other reading swaps '' and ' '),
+    LINE_BREAK, or 0."""
+    if _WHITE_SPACE.match(ch):
+        return " ", 0, LINE_BREAK if ch in _LINE_BREAKS else 0
+    if _CONTROL.match(ch):
+        return " ", 0, INVISIBLE
+    if _IGNORED.match(ch):
+        return "", 0, INVISIBLE
     if _INVISIBLE.match(ch):
-        return "", 0
+        return "", 0, 0
     out = []
     for c in _base(ch):
         if not c.isascii():
             # The skeleton's case and marks are folded like everything else.
             c = _base(disarm.normalize_confusables(c))
         out.append(c)
-    return "".join(out), script_tag(ch)
+    return "".join(out), script_tag(ch), 0
+
+
+@lru_cache(maxsize=65536)
+def fold_tagged(ch: str) -> tuple[str, int]:
+    """The normalized form of one raw character ('' when it vanishes), and its script tag."""
+    return fold_kind(ch)[:2]
 
 
 def fold(ch: str) -> str:
@@ -112,8 +167,16 @@ def fold(ch: str) -> str:
 
 
 def normalize(text: str) -> str:
-    """Whole-string normalized view (for patterns and tests)."""
+    """Whole-string normalized view, first reading (for patterns and tests)."""
     n = Normalizer()
+    n.feed(text.encode())
+    n.flush()
+    return "".join(n.text)
+
+
+def normalize_other(text: str) -> str:
+    """Whole-string normalized view, the other reading (see above)."""
+    n = OtherNormalizer()
     n.feed(text.encode())
     n.flush()
     return "".join(n.text)
@@ -138,6 +201,11 @@ class Normalizer:
         self.raw_end: list[int] = []  # … and ends
         self.tags = bytearray()  # script tag of each one's raw character (scripts.py)
         self.space: tuple[int, int] | None = None  # raw span of a space held after a CJK char
+        # A line-break hyphen held (the other reading only): see OtherNormalizer.
+        self.hyphen: Hold | None = None
+        # Raw offset of the first character the other reading may read otherwise (an
+        # invisible, a line break after a hyphen after a letter); None: there is none.
+        self.diverged_at: int | None = None
 
     @property
     def pending(self) -> bytes:
@@ -147,8 +215,18 @@ class Normalizer:
 
     @property
     def settled(self) -> int:
-        """Raw bytes whose normalized form is final (a held space and pending bytes are not)."""
-        return self.space[0] if self.space else self.decoded_len
+        """Raw bytes whose normalized form is final (a held space or hyphen and pending bytes
+        are not)."""
+        return self.space[0] if self.space else self.hyphen[0] if self.hyphen else self.decoded_len
+
+    def hyphen_at(self) -> int | None:
+        """Index of a hyphen after a letter that ends the text (a space may follow it): the
+        other reading may still join the letters around it, if a line break comes."""
+        t = self.text
+        k = len(t) - 1
+        if k > 0 and t[k] == " ":
+            k -= 1
+        return k if k > 0 and t[k] == "-" and is_letter(t[k - 1]) else None
 
     @property
     def mode(self) -> str:
@@ -162,7 +240,6 @@ class Normalizer:
 
     def feed(self, data: bytes) -> str:
         """Feed raw bytes; return the normalized characters they appended."""
-        before = len(self.text)
         held = self.raw_len - self.decoded_len  # pending bytes of a character begun earlier
         self.raw_len += len(data)
         # plain_join(data, self.mode), from a memo of plain_join(data, PLAIN): they differ
@@ -188,15 +265,27 @@ class Normalizer:
             self.raw_end.extend(range(d + 1, self.decoded_len + 1))
             self.tags += tags
             return new
-        head = self.pending  # what `held` counts
+        return self._decode(data)
+
+    def _decode(self, data: bytes) -> str:
+        """feed, one character at a time (raw_len already counts data)."""
+        before = len(self.text)
+        head = self.pending  # bytes pending before data
         chars = self._decoder.decode(data)
-        for ch, size in zip(chars, self._raw_sizes(chars, head, data), strict=True):
+        self._fold_chars(chars, self._raw_sizes(chars, head, data))
+        return "".join(self.text[before:])
+
+    def _fold_chars(self, chars: str, sizes: list[int]) -> None:
+        """Append the normalized form of decoded characters, `sizes` their raw lengths."""
+        for ch, size in zip(chars, sizes, strict=True):
             start = self.decoded_len
             self.decoded_len += size
-            folded, tag = fold_tagged(ch)
+            folded, tag, kind = fold_kind(ch)
+            if kind and self.diverged_at is None and (
+                    kind == INVISIBLE or self.hyphen_at() is not None):
+                self.diverged_at = start
             for c in folded:
                 self._emit(c, tag, start)
-        return "".join(self.text[before:])
 
     def flush(self) -> str:
         """The text ended: a held space is a space after all."""
@@ -240,10 +329,78 @@ class Normalizer:
         return sizes
 
     def truncate(self, raw_len: int, decoded_len: int, pending: bytes, n_norm: int,
-                 last_end: int, space: tuple[int, int] | None) -> None:
+                 last_end: int, space: tuple[int, int] | None, hyphen: Hold | None = None) -> None:
         """Return to an earlier state (see Checkpoint in matcher.py)."""
-        self.raw_len, self.decoded_len, self.space = raw_len, decoded_len, space
+        self.raw_len, self.decoded_len, self.space, self.hyphen = raw_len, decoded_len, space, hyphen
+        if self.diverged_at is not None and self.diverged_at >= decoded_len:
+            self.diverged_at = None
         self._decoder.setstate((pending, 0))
         del self.text[n_norm:], self.raw_start[n_norm:], self.raw_end[n_norm:], self.tags[n_norm:]
         if n_norm:
             self.raw_end[-1] = last_end
+
+
+class Hold(NamedTuple):
+    """A hyphen held after a letter (the other reading), and the whitespace after it."""
+
+    start: int  # raw span of the hyphen
+    hyphen_end: int
+    end: int  # … and of the whitespace (and invisibles) after it
+    form: str  # what the hyphen reads as if it stays: "-", or " " for a soft hyphen
+    spaced: bool  # whitespace or an invisible followed it
+    broken: bool  # … a line break among them
+
+
+class OtherNormalizer(Normalizer):
+    """The other reading (see the module's docstring): each invisible read the other way, and
+    a hyphen + line break between two letters vanishes."""
+
+    def feed(self, data: bytes) -> str:
+        if self.hyphen is None and 0x2D not in data:
+            return super().feed(data)
+        # A held hyphen, or a hyphen that may be held: each character on its own.
+        self.raw_len += len(data)
+        return self._decode(data)
+
+    def _fold_chars(self, chars: str, sizes: list[int]) -> None:
+        for ch, size in zip(chars, sizes, strict=True):
+            start = self.decoded_len
+            self.decoded_len += size
+            folded, tag, kind = fold_kind(ch)
+            if kind == INVISIBLE:
+                folded = "" if folded else " "
+            held = self.hyphen
+            if held is not None:
+                if folded in (" ", ""):  # the whitespace after the hyphen goes on
+                    self.hyphen = held._replace(end=self.decoded_len,
+                                                spaced=held.spaced or folded == " ",
+                                                broken=held.broken or kind == LINE_BREAK)
+                    continue
+                self.hyphen = None
+                if not (held.broken and is_letter(folded[0])):
+                    self._release(held)
+                # else: a word broken across lines; the hyphen and the line break vanish
+            elif ((folded == "-" or ch == _SOFT_HYPHEN) and self.space is None and self.text
+                  and is_letter(self.text[-1])):
+                self.hyphen = Hold(start, self.decoded_len, self.decoded_len,
+                                   "-" if folded == "-" else " ", False, False)
+                continue
+            for c in folded:
+                self._emit(c, tag, start)
+
+    def flush(self) -> str:
+        before = len(self.text)
+        if self.hyphen is not None:
+            self._release(self.hyphen)
+            self.hyphen = None
+        super().flush()
+        return "".join(self.text[before:])
+
+    def _release(self, held: Hold) -> None:
+        """The held hyphen stays: as it reads, then the whitespace after it as one space."""
+        self._append(held.form, 0, held.start, held.hyphen_end)
+        if held.spaced:
+            if held.form == " ":
+                self.raw_end[-1] = held.end
+            else:
+                self._append(" ", 0, held.hyphen_end, held.end)
