@@ -148,7 +148,7 @@ def test_a_number_split_over_two_messages_is_redacted_and_masked_in_both():
     assert [m["content"] for m in verdict.messages] == [
         "My card number is [REDACTED:card]", "[REDACTED:card]. Repeat it.", "Thanks, 1234"]
     assert [(e.rule_id, e.suppressed) for e in verdict.events] == [
-        ("payment-card-number", f"{SPLIT[0]}\n{SPLIT[1]}")]
+        ("payment-card-number", f"{SPLIT[0]} {SPLIT[1]}")]
     hashes: set[str] = set()
     assert Sensitive(DEFAULT, b"k").messages(turns, hashes) == [
         "My card number is 5425 23**", "**** 9903. Repeat it.", "Thanks, 1234"]

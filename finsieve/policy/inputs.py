@@ -7,9 +7,10 @@ too long to serve is refused before any rule scans it).
 
 A conversation is one text to a reader: a card number typed over two messages ("my card
 is 5425 2334", then "3010 9903") is one number. So besides each message alone, the
-messages are scanned joined by MESSAGE_JOIN, a newline, which the normalized view reads
-as a space: a separator every identifier rule accepts between two groups of digits. A
-match of that joined text that covers two or more messages counts when its rule protects
+messages are scanned joined by MESSAGE_JOIN, a space: a separator every identifier rule
+accepts between two groups of digits. Only the stretches around each boundary are scanned
+(`_windows`: a match is at most max_span normalized characters long). A match there
+that covers two or more messages counts when its rule protects
 a value (`audit: mask` or `hash`: the identifiers, which a split hides); phrase rules are
 judged within one message, as a reader of one turn reads them. Each covered part is
 replaced in its own message (the model sees the replacement in each), and one intervention
@@ -22,14 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
+
+import regex
 
 from .guard import Intervention
 from .matcher import scan_text
 from .pack import RuleSet
 from .schema import Rule
 
-MESSAGE_JOIN = "\n"
+MESSAGE_JOIN = " "
+WINDOW_JOIN = " x "  # between two windows (see _crossing): a letter ends every number
 
 
 class ChatMessage(Protocol):
@@ -71,24 +76,83 @@ def conversation_matches(rules: RuleSet, contents: Sequence[str]) -> list[Conver
             text = raw[m.start : m.end].decode("utf-8", "replace")
             found.append(ConversationMatch(m.rule, (Part(i, m.start, m.end, 0, len(text)),), text))
     if sum(1 for c in contents if c) > 1 and any(crosses_messages(r) for r in rules.rules):
-        found += _crossing(rules, raws)
+        reach = max(rules.max_regex_span, rules.literals.max_len) + CONTEXT_CHARS
+        found += _crossing(rules, _windows(contents, reach))
     return sorted(found, key=lambda m: (m.parts[0].message, m.parts[0].start))
 
 
-def _crossing(rules: RuleSet, raws: list[bytes]) -> list[ConversationMatch]:
-    joined = MESSAGE_JOIN.encode().join(raws)
-    starts, at = [], 0
-    for raw in raws:
-        starts.append(at)
-        at += len(raw) + len(MESSAGE_JOIN.encode())
+# A segment of a window: (message, raw byte start, raw byte end, its bytes).
+Segment = tuple[int, int, int, bytes]
+# Characters a lookbehind or lookahead may read beyond a match (the matcher keeps 8).
+CONTEXT_CHARS = 32
+# What the normalized view may drop or fold into a neighbour (so it may count for nothing):
+# whitespace, controls, format and default-ignorable characters, combining marks.
+_MAY_VANISH = r"[\s\p{Cc}\p{Cf}\p{Mn}\p{Me}\p{Default_Ignorable_Code_Point}]"
+
+
+@lru_cache(maxsize=16)
+def _first_kept(n: int) -> regex.Pattern[str]:
+    """Matches text up to its n-th character that cannot vanish (one C call a message)."""
+    return regex.compile(rf"(?:{_MAY_VANISH}*+[^{_MAY_VANISH[1:-1]}]){{{n}}}")
+
+
+def _significant_from(text: str, n: int, backwards: bool) -> int:
+    """The character index that n characters that cannot vanish from the normalized view
+    reach from the end (backwards) or the start of text; 0 or len(text) when it has fewer."""
+    m = _first_kept(n).match(text[::-1] if backwards else text)
+    if m is None:
+        return 0 if backwards else len(text)
+    return len(text) - m.end() if backwards else m.end()
+
+
+def _windows(contents: Sequence[str], reach: int) -> list[list[Segment]]:
+    """The stretches of the joined conversation that a match across a boundary can lie in:
+    the last `reach` characters of a message (that the normalized view keeps: each is at
+    least one character there) and the first `reach` of the next, a short message between
+    them whole. A match is at most max_span normalized characters, so scanning these
+    finds what scanning the whole joined text would, at the cost of the boundaries only."""
+    windows: list[list[Segment]] = []
+    current: list[Segment] = []
+    for i, text in enumerate(contents):
+        raw = text.encode()
+        head = len(text[: _significant_from(text, reach, False)].encode())
+        tail = len(text[: _significant_from(text, reach, True)].encode())
+        if not current:
+            current = [(i, tail, len(raw), raw[tail:])]
+        elif head >= tail or i == len(contents) - 1:  # short (or last): the window goes on
+            current.append((i, 0, len(raw), raw) if head >= tail else (i, 0, head, raw[:head]))
+        else:
+            windows.append([*current, (i, 0, head, raw[:head])])
+            current = [(i, tail, len(raw), raw[tail:])]
+    if len(current) > 1:
+        windows.append(current)
+    return windows
+
+
+def _crossing(rules: RuleSet, windows: list[list[Segment]]) -> list[ConversationMatch]:
+    """The matches of value rules in the windows that cover two or more messages. One scan
+    for all (a scan's fixed cost is most of a window's): the windows are joined by
+    WINDOW_JOIN, which no match of a number crosses; one that did would only mask more."""
+    pieces: list[bytes] = []
+    segments: list[tuple[Segment, int]] = []  # each with where it starts in the text
+    at = 0
+    for window in windows:
+        for k, seg in enumerate(window):
+            if pieces:
+                pieces.append((MESSAGE_JOIN if k else WINDOW_JOIN).encode())
+                at += len(pieces[-1])
+            segments.append((seg, at))
+            pieces.append(seg[3])
+            at += len(seg[3])
+    joined = b"".join(pieces)
     out = []
-    for m in scan_text(rules, joined.decode("utf-8", "replace")):
+    for m in scan_text(rules, joined.decode("utf-8", "replace")) if segments else []:
         if not crosses_messages(m.rule):
             continue
-        parts = tuple(_part(joined, m.start, i, max(m.start, s), min(m.end, s + len(raw)), s)
-                      for i, (s, raw) in enumerate(zip(starts, raws, strict=True))
-                      if max(m.start, s) < min(m.end, s + len(raw)))
-        if len(parts) > 1:
+        parts = tuple(_part(joined, m.start, i, max(m.start, s), min(m.end, s + len(seg)), s - first)
+                      for (i, first, _, seg), s in segments
+                      if max(m.start, s) < min(m.end, s + len(seg)))
+        if len({p.message for p in parts}) > 1:
             out.append(ConversationMatch(m.rule, parts, joined[m.start : m.end].decode("utf-8", "replace")))
     return out
 
