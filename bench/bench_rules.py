@@ -9,6 +9,14 @@ and default packs of another git revision (`--baseline`, loaded from git into a 
 package) on the same tokens: the normalized view's cost before and after, and the engine's
 host path per sampled token with rules on (exact-mask check, guard, release). Prints tables
 and writes bench/results/rules.json.
+
+The exact mask's bound (issue #42): with 50,000 block literals under one 4-character prefix,
+the worst cost of a row's exact mask over adversarial states (text ending in the prefix, a
+pending UTF-8 lead byte after it, look-alike spellings of it), bounded by
+FINSIEVE_MASK_WORK_LIMIT and unbounded (the former path) in the same run; and, with
+`--streams N` (0: skipped), the in-process engine on the CPU with the default model: the
+inter-token p99 of N normal streams alone, with one adversarial stream steering into such
+states, and with that stream under unbounded masks.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import itertools
 import json
 import random
 import statistics
@@ -43,6 +52,8 @@ from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.normalize import normalize
 from finsieve.policy.pack import Pack
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
+from finsieve.policy.schema import Rule
+from finsieve.v1 import chat_pb2
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".finsieve" / "models" / "SmolLM2-135M-Instruct"
@@ -240,6 +251,240 @@ def mask_costs(tables: MaskTables, pack: Pack, tokens: list[bytes]) -> dict[str,
     return {"warm": stats_us(warm), "cold": stats_us(cold)}
 
 
+ADVERSARIAL_PREFIX = "bloc"
+# Texts whose exact mask enumerates the literals under the prefix: the prefix and its
+# beginnings, a pending UTF-8 lead byte after it (the enumeration ran once per group of
+# tokens that share their leading continuation bytes), look-alike spellings (each one
+# another state: another cache entry).
+ADVERSARIAL_STATES: list[tuple[str, bytes]] = [
+    *[(f"prefix {ADVERSARIAL_PREFIX[:k]!r}", b"We " + ADVERSARIAL_PREFIX[:k].encode()) for k in range(1, 5)],
+    *[(f"pending {lead!r}", b"We bloc" + lead)
+      for lead in (b"\xd0", b"\xe4", b"\xf0", b"\xe4\xb8", b"\xf0\x9f")],
+    *[(f"look-alike {text!r}", b"We " + text.encode()) for text in (
+        "bl\u043ec", "b\u04cfoc", "blo\u0441", "\uff42\uff4c\uff4f\uff43", "b\u200bloc",
+        "BLOC", "bl\u043e\u0441")],
+    ("look-alike + pending", "bl\u043ec".encode() + b"\xe4"),
+]
+
+
+def prefix_literals(n: int = 50_000, prefix: str = ADVERSARIAL_PREFIX,
+                    vocab: list[bytes] | None = None) -> list[str]:
+    """n literals under the prefix: the prefix and each lowercase word-piece of the vocabulary
+    (so that after the prefix most words complete one, as a block list of names would), then
+    random tails."""
+    rng = random.Random(5)
+    out: set[str] = set()
+    for t in vocab or []:
+        piece = t.decode("ascii", "ignore")
+        if piece.isalpha() and piece.islower() and len(out) < n // 2:
+            out.add(prefix + piece)
+    while len(out) < n:
+        out.add(prefix + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)))
+    return sorted(out)
+
+
+def prefix_rules(literals: list[str]) -> str:
+    lines = ["rules:", "  - id: listed-names", "    description: a long block list under one prefix",
+             "    kind: literal", "    action: block", "    patterns:"]
+    return "\n".join(lines + [f"      - {p}" for p in literals]) + "\n"
+
+
+def mask_bound(table: TokenTable, vocab: list[bytes], repeats: int = 7) -> dict:
+    """Each adversarial state's exact-mask cost, cold (the ban-set cache and the join memo
+    emptied), bounded (FINSIEVE_MASK_WORK_LIMIT's default) and unbounded (work limit 0: the
+    enumeration as it was), median of `repeats`; plus the one-token exact check (is_banned)
+    that the bounded path adds per sampled token."""
+    literals = prefix_literals(vocab=vocab)
+    pack = Pack([Rule("listed", "d", "literal", tuple(literals), "output", "block", "", (), 20,
+                      "high", (), "", "bench")])
+    bounded = MaskTables(table, literals)
+    unbounded = MaskTables(table, literals, bounded.always_banned, work_limit=0)
+    single = {t: i for i, t in enumerate(vocab) if len(t) == 1}
+    rows = []
+    for label, text in ADVERSARIAL_STATES:
+        m = StreamMatcher(pack.output)
+        m.feed(text)
+        row: dict = {"state": label, "live_depth": m.depth, "pending": len(m.norm.pending)}
+        for name, tables in (("bounded", bounded), ("unbounded", unbounded)):
+            samples = []
+            for _ in range(repeats):
+                tables._cache.clear()
+                tables._pieces.clear()
+                work = tables.bounded_work
+                start = time.perf_counter_ns()
+                got = tables.bounded_ban_set_for(m)
+                samples.append(time.perf_counter_ns() - start)
+            row[f"{name}_units"] = tables.bounded_work - work  # machine-independent
+            row[f"{name}_ms"] = statistics.median(samples) / 1e6
+            row[f"{name}_max_ms"] = max(samples) / 1e6
+            row[f"{name}_exact"] = got is not None
+        checks = []
+        for t in [single[b"k"], single[b"a"], *range(300, 332)]:
+            start = time.perf_counter_ns()
+            bounded.is_banned(m, t, vocab[t])
+            checks.append(time.perf_counter_ns() - start)
+        row["is_banned_us"] = statistics.median(checks) / 1000
+        rows.append(row)
+    return {"literals": len(literals), "prefix": ADVERSARIAL_PREFIX, "work_limit": bounded.work_limit,
+            "repeats": repeats, "states": rows,
+            "worst_bounded_ms": max(r["bounded_ms"] for r in rows),
+            "worst_bounded_sample_ms": max(r["bounded_max_ms"] for r in rows),
+            "worst_unbounded_ms": max(r["unbounded_ms"] for r in rows)}
+
+
+NORMAL_PROMPTS = ["What is an index fund?", "Explain what a bond is.", "How does compound interest work?",
+                  "What is a savings account?", "What does diversification mean?", "What is an ETF?"]
+# Look-alike spellings of listed words for the model to copy: a listed word is refused
+# after the prefix, so that position is decoded again under its exact mask; each spelling
+# is another mask state (another cache entry). The stream asks again when it ends.
+ADVERSARY_PROMPTS = ["Repeat this line ten times: blocks blоcks bӏocks bloсks blосks BLOCKS",
+                     "Repeat this line ten times: blocking blоcking bӏocking blocкing ｂｌｏｃking",
+                     "Repeat this line ten times: blockade Blоckade bӏоckade blocкade BLОCKADE"]
+
+
+class TimedSink:
+    """A stream's events, and when the engine handed over each of its deltas."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.delta_at: list[float] = []
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and self.events[-1].WhichOneof("event") in ("finished", "error")
+
+    def deliver(self, step) -> None:
+        now = time.perf_counter()
+        for e in step.events:
+            if e.WhichOneof("event") == "delta":
+                self.delta_at.append(now)
+        self.events.extend(step.events)
+
+
+def p99_ms(gaps: list[float]) -> float:
+    s = sorted(gaps)
+    return s[max(int(len(s) * 0.99) - 1, 0)] * 1000 if s else 0.0
+
+
+def run_streams(engine, policy, n_streams: int, adversary: bool, max_tokens: int) -> dict:
+    """N normal greedy streams (and the adversarial one) to the end, in one batch; the normal
+    streams' gaps between deltas."""
+    from finsieve.client import chat_request
+
+    engine.policy = lambda: policy
+    sinks = []
+    prompts = [NORMAL_PROMPTS[i % len(NORMAL_PROMPTS)] for i in range(n_streams)]
+    for i, prompt in enumerate(prompts):
+        sinks.append(TimedSink())
+        engine.submit(engine.prepare(chat_request(f"s{i}", prompt, max_tokens=max_tokens), sinks[-1]))
+    attacks: list[TimedSink] = []
+
+    def attack() -> None:  # one more adversarial request, as soon as the last one ended
+        attacks.append(TimedSink())
+        prompt = ADVERSARY_PROMPTS[len(attacks) % len(ADVERSARY_PROMPTS)]
+        engine.submit(engine.prepare(chat_request(f"a{len(attacks)}", prompt, max_tokens=64),
+                                     attacks[-1]))
+
+    if adversary:
+        attack()
+    masks = policy.masks
+    before = (masks.over_limit, masks.bounded_work)
+    start = time.perf_counter()
+    while not all(s.finished for s in sinks) and time.perf_counter() - start < 1200:
+        engine.step()
+        if adversary and attacks[-1].finished:
+            attack()
+    while attacks and not attacks[-1].finished:
+        engine.step()
+    gaps = [b - a for s in sinks for a, b in itertools.pairwise(s.delta_at)]
+    out = {"normal_gaps": len(gaps), "normal_p50_ms": statistics.median(gaps) * 1000,
+           "normal_p99_ms": p99_ms(gaps), "normal_max_ms": max(gaps) * 1000,
+           "wall_s": time.perf_counter() - start,
+           "masks_over_limit": masks.over_limit - before[0],
+           "mask_work_units": masks.bounded_work - before[1]}
+    if adversary:
+        events = [e for a in attacks for e in a.events]
+        out["adversary_requests"] = len(attacks)
+        out["adversary_text"] = "".join(e.delta.text for e in attacks[0].events
+                                        if e.WhichOneof("event") == "delta")
+        out["adversary_interventions"] = sum(e.WhichOneof("event") == "policy_event" for e in events)
+        out["adversary_halted"] = sum(e.WhichOneof("event") == "finished" and e.finished.finish_reason
+                                      == chat_pb2.FINISH_REASON_CONTENT_FILTER for e in events)
+    return out
+
+
+def engine_streams(n_streams: int, max_tokens: int, table: TokenTable) -> dict:
+    """The in-process engine on the CPU, default model, default packs plus 50,000 block
+    literals under one prefix: the normal streams' inter-token p99 alone (baseline), with
+    an adversarial stream under bounded exact masks, and with it under unbounded ones (the
+    former path). Each run gets fresh mask tables (a cold ban-set cache)."""
+    import torch
+
+    from finsieve.engine.engine import EngineLimits, LLMEngine
+    from finsieve.engine.loader import load_model
+    from finsieve.policy.guard import Policy, compile_policy
+
+    device = torch.device("cpu")
+    engine = LLMEngine(load_model(str(MODEL), REPO / ".finsieve", device),
+                       EngineLimits(max_batch=8, max_context=2048, default_max_tokens=max_tokens,
+                                    prepare_workers=0), device)
+    with tempfile.TemporaryDirectory() as tmp:
+        rules = Path(tmp)
+        for f in (REPO / "rules").glob("*.yaml"):
+            (rules / f.name).write_text(f.read_text())
+        (rules / "listed.yaml").write_text(prefix_rules(prefix_literals(vocab=engine.token_bytes)))
+        base = compile_policy(rules, table, None)[0]
+    assert base.masks is not None
+    patterns = base.pack.output.literal_patterns(("block",))
+
+    def policy(work_limit: int) -> Policy:
+        return Policy(base.pack, MaskTables(table, patterns, base.masks.always_banned,
+                                            work_limit=work_limit), base.version)
+
+    run_streams(engine, policy(base.masks.work_limit), 1, False, 8)  # warm-up
+    out = {"streams": n_streams, "max_tokens": max_tokens, "work_limit": base.masks.work_limit,
+           "literals": len(patterns), "adversary_prompts": ADVERSARY_PROMPTS}
+    out["baseline"] = run_streams(engine, policy(base.masks.work_limit), n_streams, False, max_tokens)
+    out["adversary_bounded"] = run_streams(engine, policy(base.masks.work_limit), n_streams, True,
+                                           max_tokens)
+    out["adversary_unbounded"] = run_streams(engine, policy(0), n_streams, True, max_tokens)
+    engine.stop()
+    p99 = out["baseline"]["normal_p99_ms"]
+    out["p99_ratio_bounded"] = out["adversary_bounded"]["normal_p99_ms"] / p99
+    out["p99_ratio_unbounded"] = out["adversary_unbounded"]["normal_p99_ms"] / p99
+    return out
+
+
+def mask_bound_phase(table: TokenTable, vocab: list[bytes], args: argparse.Namespace) -> dict:
+    """The exact mask's bound: its worst cost over adversarial states, and the engine phase;
+    printed, and returned for the JSON file (exact_mask_bound, adversarial_streams)."""
+    out: dict = {"exact_mask_bound": mask_bound(table, vocab)}
+    b = out["exact_mask_bound"]
+    print(f"\nexact mask, {b['literals']:,} block literals under {b['prefix']!r}, cold, median of "
+          f"{b['repeats']} (FINSIEVE_MASK_WORK_LIMIT {b['work_limit']})")
+    print(f"{'state':28} {'depth':>5} {'bounded ms':>10} {'units':>6} {'exact?':>6} "
+          f"{'unbounded ms':>12} {'units':>7} {'unb/bnd':>8} {'is_banned us':>12}")
+    for r in b["states"]:
+        print(f"{r['state']:28} {r['live_depth']:5} {r['bounded_ms']:10.3f} {r['bounded_units']:6} "
+              f"{'yes' if r['bounded_exact'] else 'no':>6} {r['unbounded_ms']:12.2f} "
+              f"{r['unbounded_units']:7} {r['unbounded_ms'] / r['bounded_ms']:7.0f}x "
+              f"{r['is_banned_us']:12.1f}")
+    print(f"worst: bounded {b['worst_bounded_ms']:.3f} ms (slowest single sample "
+          f"{b['worst_bounded_sample_ms']:.3f} ms), unbounded {b['worst_unbounded_ms']:.1f} ms")
+    if args.streams:
+        e = out["adversarial_streams"] = engine_streams(args.streams, args.stream_tokens, table)
+        print(f"\nengine on the CPU, {e['streams']} normal streams x {e['max_tokens']} tokens, "
+              f"{e['literals']:,} block literals; normal streams' gaps between deltas")
+        print(f"{'run':22} {'gaps':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'p99 / base':>10} "
+              f"{'over limit':>10} {'mask units':>10}")
+        for name in ("baseline", "adversary_bounded", "adversary_unbounded"):
+            r = e[name]
+            print(f"{name:22} {r['normal_gaps']:5} {r['normal_p50_ms']:8.1f} {r['normal_p99_ms']:8.1f} "
+                  f"{r['normal_max_ms']:8.1f} {r['normal_p99_ms'] / e['baseline']['normal_p99_ms']:9.2f}x "
+                  f"{r['masks_over_limit']:10} {r['mask_work_units']:10}")
+    return out
+
+
 def timed(fn):
     start = time.perf_counter()
     value = fn()
@@ -281,6 +526,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--baseline", default="main", help="git revision to compare with (before/after)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rules.json")
+    ap.add_argument("--streams", type=int, default=3,
+                    help="normal streams beside the adversarial one in the engine phase (0: skip it)")
+    ap.add_argument("--stream-tokens", type=int, default=48, help="tokens per normal stream")
+    ap.add_argument("--only-mask-bound", action="store_true",
+                    help="only the exact mask's bound: its worst cost, and the engine phase")
     args = ap.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
@@ -290,6 +540,12 @@ def main() -> None:
     tokens = [vocab[i] for i in ids]
     default = Pack.load(REPO / "rules")
     result: dict = {"tokens": len(tokens)}
+    if args.only_mask_bound:
+        previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+        result = {**previous, **mask_bound_phase(TokenTable.build(vocab), vocab, args)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         synthetic_pack(Path(tmp))
@@ -330,6 +586,7 @@ def main() -> None:
     result["mask"] = {"default packs": mask_costs(masks_default, default, tokens),
                       "10k literals": mask_costs(masks_big, big, tokens)}
     result["reload_to_enforcement_s"] = reload_latency(table49)
+    result.update(mask_bound_phase(table49, vocab, args))
     result["confusable_sources"] = confusable_sources(tokens)
 
     ba = result["before_after"]

@@ -21,6 +21,15 @@ it, or a refused token before it, throws that row away (`finsieve_late_repairs_t
 the position is decoded again: a violation found one step late is repaired by rollback,
 never by a retraction.
 
+Bounded exact masks: a row that is not optimistic (after a resample, rollback or redo)
+runs under its exact ban list, unless building it would cost more than the policy's mask
+work limit (FINSIEVE_MASK_WORK_LIMIT: a huge pack, many patterns under the text's live
+suffix). Then it too runs under the base bans and its token is checked exactly; a refused
+token is banned at that position and the position decoded again, under the same noise, so
+the draw is still the best allowed token. At most MAX_REDRAWS refusals at one position,
+then the sequence halts (CONTENT_FILTER): fail closed, and the decode thread never builds
+an unbounded mask, which every stream in the batch would wait for.
+
 Every sampled token passes its sequence's guard: accepted, resampled (banned at that
 position and decoded again), rolled back (SAR: the sequence's KV length is set back),
 rewritten or halted. Only that sequence is touched; the batch decodes on. An exception
@@ -62,6 +71,7 @@ log = structlog.get_logger(__name__)
 
 NO_POLICY = Policy(Pack([]), None, "none")
 MAX_RESAMPLES = 32  # tokens refused at one position; then the sequence halts
+MAX_REDRAWS = 32  # tokens the exact mask refuses at one position (not built); then it halts
 STATS_EVERY_S = 10.0
 
 
@@ -288,6 +298,7 @@ class LLMEngine:
         else:
             if seq.bans is None:
                 seq.bans = seq.guard.banned()
+                seq.bans_exact = seq.guard.mask_exact
             bans = seq.bans
         return StepRow(seq.slot, row.start, row.tokens, seq.pending_row, row.sample,
                        s.temperature, s.top_k, s.top_p,
@@ -352,9 +363,12 @@ class LLMEngine:
         if seq.attempts == 0 and first != token and _contains(bans, first):
             stopped = guard.masked(first)
         eos = token in self.eos_ids  # (no text: never in a mask)
-        decision = guard.finish() if eos else guard.check(token, exact_mask=optimistic)
+        # Sampled without the exact mask (optimistic, or it was over the work limit):
+        # the check asks the exact mask about this one token.
+        unchecked = optimistic or not seq.bans_exact
+        decision = guard.finish() if eos else guard.check(token, exact_mask=unchecked)
         if decision is None:
-            self._redo(seq, wasted=1)  # the exact mask bans it: decode this position again
+            self._refused(seq, token, out)  # the exact mask bans it
             return
         if stopped:
             out.add(seq, events.policy(seq, stopped))  # the mask steered it
@@ -391,6 +405,18 @@ class LLMEngine:
         self._deliver(seq, out)
         seq.bans = None  # the next position's: computed only if a step needs them
 
+    def _refused(self, seq: Sequence, token: int, out: Outbox) -> None:
+        """The exact mask bans the token sampled: ban it at this position and decode the
+        position again; past MAX_REDRAWS refusals here the sequence halts (fail closed)."""
+        seq.guard.refuse(token)
+        seq.redraws += 1
+        if seq.redraws > MAX_REDRAWS:
+            text, intervention = seq.guard.give_up(
+                "too many tokens refused at one position (FINSIEVE_MASK_WORK_LIMIT)")
+            self._end_filtered(seq, text, intervention, out)
+            return
+        self._redo(seq, wasted=1)
+
     def _redo(self, seq: Sequence, valid: int | None = None, wasted: int = 0) -> None:
         """The sequence's next step recomputes from its last token, under its exact bans;
         steps already launched for it are dropped (counted as late repairs)."""
@@ -420,6 +446,11 @@ class LLMEngine:
                                                   message="no allowed continuation")
         else:
             text, intervention = seq.guard.halt(decision)
+        self._end_filtered(seq, text, intervention, out)
+
+    def _end_filtered(self, seq: Sequence, text: str, intervention: Intervention,
+                      out: Outbox) -> None:
+        """Deliver the safe text, then the intervention; the answer ends (CONTENT_FILTER)."""
         if text:
             out.delta(seq, text, 0)
         out.add(seq, events.policy(seq, intervention))

@@ -93,7 +93,11 @@ class Sequence:
     # Token ids the rules ban at the next position; None until a step needs the exact list
     # (an optimistic row runs under the policy's base bans and is checked after).
     bans: list[int] | None = None
+    # `bans` is the exact mask; False: the base bans, where the exact one would cost more
+    # than FINSIEVE_MASK_WORK_LIMIT (its token is checked exactly, as an optimistic row's)
+    bans_exact: bool = True
     attempts: int = 0  # tokens refused at the current position
+    redraws: int = 0  # tokens sampled under the base bans that the exact mask refused here
     noise_seed: int = 0  # the per-request key of its sampling noise
     admitted_at: float = 0.0
     admitted_step: int = 0
@@ -140,7 +144,7 @@ class Sequence:
     def append(self, token_id: int, is_eos: bool) -> None:
         """Take one generated token the policy accepted; decide whether it ends the answer."""
         self.output_ids.append(token_id)
-        self.attempts = 0
+        self.attempts = self.redraws = 0
         if is_eos:
             self.finish_reason = Finish.STOP
             return
@@ -171,7 +175,7 @@ class Sequence:
             for t in self.output_ids:
                 self.text.add(t)
         self.finish_reason = Finish.NONE
-        self.attempts = 0
+        self.attempts = self.redraws = 0
 
     def take_delta(self) -> tuple[str, int] | None:
         """The text that became final since the last delta, and the tokens it accounts for."""

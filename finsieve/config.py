@@ -170,6 +170,10 @@ class Settings:
     regex_timeout_ms: float = _setting(
         20.0, "one regex search of the rules; past it the rule counts as matched (fail closed)")
     rules_debounce_ms: int = _setting(100, "hot reload waits this long for edits to settle")
+    mask_work_limit: int = _setting(
+        250, "work units one exact token mask may cost (~2 us each on a laptop core; a pattern "
+        "under the text's live suffix is one); past it the token is sampled under the base "
+        "bans and checked exactly, a refused one banned there and drawn again; 0 = no limit")
     metrics_port: int = _setting(0, "serve Prometheus metrics on this port (0 = off)")
     log_format: Literal["auto", "json", "console"] = _setting(
         "auto", "log rendering: auto = console on a terminal, JSON otherwise"
@@ -221,7 +225,7 @@ class Settings:
         for name in ("key_cache_s", "tenant_requests_per_s", "tenant_tokens_per_min",
                      "tenant_concurrent_streams", "mixed_tokens", "prompt_batch_tokens",
                      "prompt_wait_steps",
-                     "prepare_workers", "cache_store_wait_ms"):
+                     "prepare_workers", "mask_work_limit", "cache_store_wait_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative")
         if self.prepare_workers > 64:

@@ -1,7 +1,10 @@
 """Enforcement for one sequence: what to do with each sampled token, and what may be released.
 
 The engine asks, per step: which tokens are banned at this position (`banned`), then,
-for the token it sampled, what to do (`check`):
+for the token it sampled, what to do (`check`). The ban list is the exact mask unless
+building it would cost more than the tables' work limit (masks.py): then it is the base
+bans (`mask_exact` False), and `check(token, exact_mask=True)` refuses a token the exact
+mask would ban; the engine bans it at this position (`refuse`) and samples again:
 
   accept    the token stands;
   resample  a `block` span lies inside this very token: ban it here and sample again;
@@ -44,7 +47,8 @@ def compile_policy(directory: Path, tokens: TokenTable, luts: Path | None,
     """Load a rules directory and build its mask tables; raises schema.PackError."""
     pack = Pack.load(directory, limits)
     masks = MaskTables.load_or_build(
-        tokens, pack.output.literal_patterns(("block",)), pack.version, luts)
+        tokens, pack.output.literal_patterns(("block",)), pack.version, luts,
+        limits.mask_work_limit)
     return Policy(pack, masks, pack.version), pack.version
 
 
@@ -95,6 +99,7 @@ class Guard:
     released_tokens: int = 0  # output tokens wholly inside them
     delivered_chars: int = 0
     events: list[Intervention] = field(default_factory=list)  # not yet sent
+    mask_exact: bool = True  # the last banned() list is the exact mask (else the base bans)
 
     def __post_init__(self) -> None:
         self.matcher = StreamMatcher(self.policy.pack.output)
@@ -102,12 +107,23 @@ class Guard:
     # -- before sampling ------------------------------------------------------------------
 
     def banned(self) -> list[int]:
-        """Token ids that may not be sampled next."""
+        """Token ids that may not be sampled next: the exact mask, or, where it would cost
+        more than the work limit, the base bans (then mask_exact is False and the token
+        sampled must be checked with exact_mask=True). Both with this position's own bans."""
         position = len(self.tokens)
         masks = self.policy.masks
-        ids = masks.ban_set_for(self.matcher) if masks is not None else []
+        ids: list[int] = []
+        self.mask_exact = True
+        if masks is not None:
+            exact = masks.bounded_ban_set_for(self.matcher)
+            self.mask_exact = exact is not None
+            ids = exact if exact is not None else masks.always_banned
         extra = self.bans.get(position)
         return sorted(set(ids) | extra) if extra else ids
+
+    def refuse(self, token: int) -> None:
+        """The exact mask bans `token` at this position (check said None): ban it here."""
+        self.bans.setdefault(len(self.tokens), set()).add(token)
 
     def masked(self, token: int) -> Intervention | None:
         """If `token` (the model's first choice) was masked: the rule it would have broken."""
@@ -214,6 +230,13 @@ class Guard:
         self.rollbacks += 1
         return Intervention(m.rule.id, m.rule.action, at, end, rolled_back=True,
                             tokens_recomputed=recomputed, suppressed=suppressed)
+
+    def give_up(self, message: str) -> tuple[str, Intervention]:
+        """Halt with no span to blame (e.g. too many tokens refused at one position):
+        deliver what was safe; the answer ends."""
+        text = self._take(self._release_point())
+        return text, Intervention("", "halt", self.delivered_chars, self.delivered_chars,
+                                  message=message)
 
     def halt(self, decision: Decision) -> tuple[str, Intervention]:
         """Deliver what was safe, never the halting span; the answer ends."""

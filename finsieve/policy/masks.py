@@ -23,6 +23,14 @@ A match counts only if its letters are not all of one script foreign to its patt
 (scripts.py), so each contribution carries its characters' script tags, and a ban whose
 live suffix has no letter of the pattern's scripts keeps only the tokens that make it count.
 
+The continuation work of one ban set grows with the patterns under the live suffix, times
+the lead-byte groups when a character is pending: 30,000 patterns under one short prefix
+took ~60 ms, ~400 ms with a pending byte, on the decode thread, where every stream waits;
+and a client can steer to many distinct states. So the engine asks `bounded_ban_set_for`,
+which gives up past `work_limit` units of work (FINSIEVE_MASK_WORK_LIMIT; `Budget`) and
+says None: the row is then sampled under the base bans and its token checked exactly with
+`is_banned` (guard.py). `ban_set` stays the exact reference, unbounded.
+
 Tables are keyed by tokenizer fingerprint, normalized view and policy version, and persisted
 under `luts/`.
 """
@@ -37,12 +45,22 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .matcher import StreamMatcher
-from .memo import memoized
+from .memo import memoized, remember
 from .normalize import CJK, CJK_SPACE, PLAIN, SPACE, VIEW_VERSION, Normalizer, is_cjk, plain_join
 from .pack import MEMO_CHARS, Literals
 from .scripts import ALNUM, accepts, script_tag
 
 FORMAT = 2
+# Units of continuation work (Budget) one bounded ban set may spend: about 0.4 ms on a
+# 2-core laptop CPU (bench/bench_rules.py measures it). FINSIEVE_MASK_WORK_LIMIT.
+DEFAULT_WORK_LIMIT = 250
+# A pattern under the live suffix costs one unit (its one or two prefix lookups, ~2 us);
+# each id they yield 1/IDS_PER_UNIT (copied, filtered, unioned and sorted); a lead-byte
+# group GROUP_UNITS (its joined text searched), and its join of the pending bytes
+# JOIN_UNITS more (a normalizer run, ~30 us), one unit when that is memoized.
+IDS_PER_UNIT = 24
+GROUP_UNITS = 2
+JOIN_UNITS = 20
 _CONT = range(0x80, 0xC0)
 # Bytes that put a fresh normalizer in each state (a group's head is fed after them).
 _SEED = {PLAIN: b"", SPACE: b" ", CJK: "一".encode(), CJK_SPACE: "一 ".encode()}
@@ -89,6 +107,30 @@ def _forms(v: str, mode: str) -> list[tuple[str, int]]:
         return [(v, 0)]
     # CJK_SPACE: the held space is emitted before anything but a CJK character.
     return [(v, 0), (v[1:], 0)] if v[0] == " " and len(v) > 1 else []
+
+
+class OverBudget(Exception):
+    """A bounded ban set ran out of work units: the exact mask is not built."""
+
+
+class Budget:
+    """Work units left for one ban set; spend() raises OverBudget past the end."""
+
+    __slots__ = ("left", "spent")
+
+    def __init__(self, limit: float) -> None:
+        self.left = limit
+        self.spent = 0
+
+    def spend(self, units: int) -> None:
+        self.spent += units
+        self.left -= units
+        if self.left < 0:
+            raise OverBudget
+
+
+_UNBOUNDED = float("inf")
+_MISSING = object()
 
 
 class _Sorted:
@@ -166,8 +208,9 @@ class MaskTables:
     """Ban sets for one set of literal patterns over one tokenizer."""
 
     def __init__(self, tokens: TokenTable, patterns: list[str], always_banned: list[int] | None = None,
-                 cache_size: int = 4096) -> None:
+                 cache_size: int = 4096, work_limit: int = DEFAULT_WORK_LIMIT) -> None:
         self.tokens = tokens
+        self.work_limit = work_limit  # per bounded ban set; 0: unbounded (the exact mask always)
         self.patterns = Literals({p: p for p in patterns})
         if always_banned is None:
             always_banned = [i for i, c in enumerate(tokens.contrib)
@@ -175,15 +218,22 @@ class MaskTables:
         if not self.patterns.keys:
             always_banned = []
         self.always_banned = sorted(always_banned)
-        self._cache: OrderedDict[tuple[str, bytes, bytes, str], list[int]] = OrderedDict()
+        # A state's ban set, or None: past the work limit (asked again, it is not retried).
+        self._cache: OrderedDict[tuple[str, bytes, bytes, str], list[int] | None] = OrderedDict()
         self._cache_size = cache_size
         # One token after a live suffix: the engine asks this for most sampled tokens, and
         # the same (suffix, token) pairs come back again and again.
         self._completed_by = memoized(self._joined_completes, 1 << 16)
+        # Counts for tests and benchmarks: units spent by bounded ban sets, and how many
+        # gave up.
+        self.bounded_work = 0
+        self.over_limit = 0
+        # (mode, pending + lead bytes) -> what they add after text in that mode (_piece)
+        self._pieces: dict[tuple[str, bytes], tuple[str, bytes, str, bool]] = {}
 
     @classmethod
     def load_or_build(cls, tokens: TokenTable, patterns: list[str], policy_version: str,
-                      luts: Path | None) -> MaskTables:
+                      luts: Path | None, work_limit: int = DEFAULT_WORK_LIMIT) -> MaskTables:
         listed = "\n".join([VIEW_VERSION, *sorted(set(patterns))])
         digest = hashlib.sha256(listed.encode()).hexdigest()[:16]
         path = luts / tokens.fingerprint / f"{policy_version}.banned.json" if luts else None
@@ -193,10 +243,10 @@ class MaskTables:
                 if (data["format"], data["fingerprint"], data["patterns"]) == (
                     FORMAT, tokens.fingerprint, digest,
                 ):
-                    return cls(tokens, patterns, data["always_banned"])
+                    return cls(tokens, patterns, data["always_banned"], work_limit=work_limit)
             except (OSError, ValueError, KeyError):
                 pass  # stale or damaged: rebuilt below
-        tables = cls(tokens, patterns)
+        tables = cls(tokens, patterns, work_limit=work_limit)
         if path is not None:
             _write(path, json.dumps({
                 "format": FORMAT, "fingerprint": tokens.fingerprint,
@@ -215,7 +265,20 @@ class MaskTables:
     def ban_set_for(self, matcher: StreamMatcher) -> list[int]:
         """The ban set for a matcher's current state (its text, pending bytes, held space)."""
         tail, tags = self._tail_of(matcher)
-        return self.ban_set(tail, matcher.norm.pending, matcher.norm.mode, tags)
+        banned = self.ban_set(tail, matcher.norm.pending, matcher.norm.mode, tags)
+        assert banned is not None  # (unbounded)
+        return banned
+
+    def bounded_ban_set_for(self, matcher: StreamMatcher) -> list[int] | None:
+        """ban_set_for, unless building it takes more than `work_limit` units: then None (the
+        caller samples under the base bans and checks the token with is_banned)."""
+        tail, tags = self._tail_of(matcher)
+        limit = self.work_limit if self.work_limit > 0 else _UNBOUNDED
+        budget = Budget(limit)
+        try:
+            return self.ban_set(tail, matcher.norm.pending, matcher.norm.mode, tags, budget)
+        finally:
+            self.bounded_work += budget.spent
 
     def is_banned(self, matcher: StreamMatcher, token: int, data: bytes) -> bool:
         """Is `token` (its bytes: `data`) in the exact ban set of the matcher's state? For the
@@ -254,9 +317,10 @@ class MaskTables:
         return "".join(matcher.norm.text[-keep:]), bytes(matcher.norm.tags[-keep:])
 
     def ban_set(self, tail: str, pending: bytes = b"", mode: str | None = None,
-                tags: bytes | None = None) -> list[int]:
+                tags: bytes | None = None, budget: Budget | None = None) -> list[int] | None:
         """Sorted ids of the tokens that would complete a pattern after `tail` (+ pending
-        bytes), the text ending in `mode`, its characters' raw scripts `tags`."""
+        bytes), the text ending in `mode`, its characters' raw scripts `tags`. With a
+        budget: None where building them would spend more than it has (without one, never)."""
         if not self.patterns.keys:
             return []
         mode = mode or _mode_of(tail)
@@ -266,32 +330,60 @@ class MaskTables:
         if not live and not pending:
             return self.always_banned
         key = (live, live_tags, pending, mode)
-        hit = self._cache.get(key)
-        if hit is not None:
+        hit = self._cache.get(key, _MISSING)
+        if hit is None and budget is None:
+            del self._cache[key]  # given up by a bounded ask: built now, unbounded
+        elif hit is not _MISSING:
             self._cache.move_to_end(key)
-            return hit
-        banned = set(self.always_banned)
-        if pending:
-            for lead, group in self.tokens.groups.items():
-                banned.update(self._group_bans(live, live_tags, mode, pending + lead, group))
-        else:
-            banned.update(self._continuations(live, live_tags, mode, self.tokens.index,
-                                              self.tokens.tags))
-        result = sorted(banned)
+            return hit  # type: ignore[return-value]
+        if budget is None:
+            budget = Budget(_UNBOUNDED)
+        try:
+            result: list[int] | None = self._build(live, live_tags, pending, mode, budget)
+        except OverBudget:
+            self.over_limit += 1
+            result = None
         self._cache[key] = result
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return result
 
+    def _build(self, live: str, live_tags: bytes, pending: bytes, mode: str,
+               budget: Budget) -> list[int]:
+        banned = set(self.always_banned)
+        if pending:
+            for lead, group in self.tokens.groups.items():
+                banned.update(self._group_bans(live, live_tags, mode, pending + lead, group, budget))
+        else:
+            banned.update(self._continuations(live, live_tags, mode, self.tokens.index,
+                                              self.tokens.tags, budget))
+        return sorted(banned)
+
     def _group_bans(self, live: str, live_tags: bytes, mode: str, head_bytes: bytes,
-                    group: _Sorted) -> list[int]:
+                    group: _Sorted, budget: Budget) -> list[int]:
         """Bans among the tokens that complete the pending character with these bytes."""
-        text, tags, n = _join(live, live_tags, mode, head_bytes)
+        budget.spend(GROUP_UNITS)
+        added, added_tags, after, broken = self._piece(mode, head_bytes, budget)
+        text, tags = live + added, live_tags + added_tags
         if self._completes(text, tags, len(live)):
+            budget.spend(len(group.ids) // IDS_PER_UNIT)
             return group.ids
-        if n.pending:
+        if broken:
             return []  # the character stays broken: what follows starts after a U+FFFD
-        return self._continuations(*self._live(text, tags), n.mode, group, self.tokens.rest_tags)
+        return self._continuations(*self._live(text, tags), after, group, self.tokens.rest_tags,
+                                   budget)
+
+    def _piece(self, mode: str, data: bytes, budget: Budget) -> tuple[str, bytes, str, bool]:
+        """What `data` adds after text in `mode`: characters, tags, the mode after, and
+        whether bytes stay pending. It does not depend on the text: memoized."""
+        key = (mode, data)
+        piece = self._pieces.get(key)
+        if piece is not None:
+            budget.spend(1)
+            return piece
+        budget.spend(JOIN_UNITS)
+        added, tags, n = _join("", b"", mode, data)
+        return remember(self._pieces, key, (added, tags, n.mode, bool(n.pending)), 1 << 15)
 
     def _live(self, text: str, tags: bytes) -> tuple[str, bytes]:
         """The longest suffix of text that begins a pattern, and its tags."""
@@ -299,9 +391,10 @@ class MaskTables:
         return (text[len(text) - depth :], tags[len(tags) - depth :]) if depth else ("", b"")
 
     def _continuations(self, live: str, live_tags: bytes, mode: str, index: _Sorted,
-                       token_tags: list[bytes]) -> list[int]:
+                       token_tags: list[bytes], budget: Budget) -> list[int]:
         """Tokens whose contribution, joined in `mode`, starts with the missing rest of a
-        pattern begun by `live` and makes a match that counts."""
+        pattern begun by `live` and makes a match that counts. Each lookup spends from the
+        budget before it runs (the number of patterns under `live` is unbounded)."""
         out: list[int] = []
         for length in range(len(live), 0, -1):
             u = live[-length:]
@@ -309,12 +402,14 @@ class MaskTables:
                 continue
             u_scripts = set(live_tags[-length:]) - {0}
             for pattern in self.patterns.automaton.keys(u):
+                budget.spend(1)
                 v = pattern[length:]
                 if not v:
                     continue
                 for prefix, k in _forms(v, mode):
                     ids = index.starting_with(prefix)
                     if ids:
+                        budget.spend(len(ids) // IDS_PER_UNIT)
                         out += self._counting(ids, pattern, u_scripts, k, len(prefix), token_tags)
         return out
 

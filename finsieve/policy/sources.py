@@ -29,10 +29,12 @@ class PackLimits:
 
     max_bytes: int = 4 * 1024 * 1024  # all files of the pack together
     regex_timeout_s: float = 0.02  # one regex search in the matcher; expiry counts as a match
+    mask_work_limit: int = 250  # one exact token mask's work units (masks.py); 0: unbounded
 
     @classmethod
     def of(cls, settings: Settings) -> PackLimits:
-        return cls(settings.rules_max_bytes, settings.regex_timeout_ms / 1000)
+        return cls(settings.rules_max_bytes, settings.regex_timeout_ms / 1000,
+                   settings.mask_work_limit)
 
 
 DEFAULT_LIMITS = PackLimits()
