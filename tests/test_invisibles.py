@@ -51,6 +51,9 @@ for hy in LINE_BREAK_HYPHENS:
 EVASIONS["guaran\u00ad\nteed\u200dreturns"] = "a line-break soft hyphen, then ZWJ between the words"
 EVASIONS["gua\u200bran\u2060teed\ufffb returns"] = "three format characters inside a word"
 EVASIONS["gua\x01ran\x7fteed\x9b returns"] = "three controls inside a word"
+EVASIONS["gua\u200bran\x00teed\ufffb returns"] = "format characters and a control inside a word"
+EVASIONS["guaranteed\u200bfinancial\x00returns"] = "a format character and a control as separators"
+EVASIONS["guar\x00anteed\u200breturns"] = "a control inside a word, a format character between"
 CASES = list(EVASIONS)
 
 
@@ -168,7 +171,10 @@ class Msg:
         self.role, self.content = "user", content
 
 
-@pytest.mark.parametrize("phrase", CASES, ids=[EVASIONS[c] for c in CASES])
+TWO_WORDS = [c for c in CASES if "financial" not in c]  # what the literal below can spell
+
+
+@pytest.mark.parametrize("phrase", TWO_WORDS, ids=[EVASIONS[c] for c in TWO_WORDS])
 def test_input_and_output_rules_agree_on_each_evasion(both_pack, phrase):
     text = f"Do you offer {phrase}? Tell me."
     verdict = apply_input_rules(both_pack.input, [Msg(text)])
@@ -202,6 +208,22 @@ def test_the_two_readings_of_an_invisible():
     assert normalize_other("gu\x00ar\x1fan\x7fteed\x9b") == "guaranteed"
     assert normalize("guaran-\nteed") == "guaran- teed"
     assert normalize_other("guaran-\nteed ret\u00ad\r\nurns") == "guaranteed returns"
+    # Once both kinds are in the text: every invisible as nothing, and every one as a space.
+    assert normalize_other("gua\u200bran\x00teed-\nly", "dropped") == "guaranteedly"
+    assert normalize_other("guaranteed\u200bfinancial\x00returns", "spaced") == \
+        "guaranteed financial returns"
+
+
+def test_a_rollback_drops_the_readings_nothing_left_needs():
+    m = StreamMatcher(DEFAULT.output)
+    for piece in [b"We offer ", "gua\u200bran".encode(), b"\x00teed", b" returns", b". Call"]:
+        m.feed(piece)
+    assert len(m._others) == 3 and m.matches and m.matches[0].rule.id == FAMILY
+    m.rollback(2)
+    assert len(m._others) == 1 and not m.matches
+    m.rollback(1)
+    assert m._others == []
+    assert [x.rule.id for x in m.feed("gua\u200bran\x00teed returns. Call".encode())] == [FAMILY]
 
 
 @pytest.mark.parametrize(("raw", "first", "other"), [

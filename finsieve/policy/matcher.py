@@ -17,11 +17,12 @@ same start) is held until it is settled.
 Invisible characters have two readings (normalize.py): the matcher reads the text the first
 way, and from the first character where the other reading can differ (an invisible, a line
 break after a hyphen) also the other way, with a second matcher fed the same tokens (the text
-so far replayed token by token when it starts, so both keep a checkpoint per token). Its
-matches count as this matcher's (once: not where one of the same rule overlaps), and the safe
-point is the earlier of the two. While the text ends in a hyphen after a letter, a line break
-may still come and join the words around it in the other reading: the safe point stays
-before every match that could then span the join.
+so far replayed token by token when it starts, so both keep a checkpoint per token); once
+the text holds both kinds of invisible, two more (every invisible as nothing, as a space).
+Their matches count as this matcher's (once: the same rule over the same span is one
+match), and the safe point is the earliest of them all. While the text ends in a hyphen
+after a letter, a line break may still come and join the words around it in the other
+readings: the safe point stays before every match that could then span the join.
 """
 
 from __future__ import annotations
@@ -120,21 +121,23 @@ _new_checkpoint = tuple.__new__
 _raw_len = operator.attrgetter("raw_len")  # sort keys: checkpoints by raw length, matches by start
 _start = operator.attrgetter("start")
 WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it searches
+_READINGS = ("swapped", "dropped", "spaced")  # the other readings, in the order they start
 
 
 class StreamMatcher:
-    def __init__(self, rules: RuleSet, deadline: float | None = None, other: bool = False,
+    def __init__(self, rules: RuleSet, deadline: float | None = None, other: str | None = None,
                  second_reading: bool = True) -> None:
         """deadline (perf_counter): a whole-text scan, off the decode loop, whose searches
         may be retried until then (within_cpu_budget); None: the plain timeout.
-        other: read the text the other way (normalize.py), as the second reading does.
+        other: read the text another way (OtherNormalizer's readings), as a second reading.
         second_reading: False reads the first way only (what token masks are exact for)."""
         self.rules = rules
         self._deadline = deadline
-        self._is_other = other or not second_reading  # never starts a second reading
-        self.norm = OtherNormalizer() if other else Normalizer()
-        # The other reading, from where it can differ (see above); None: not yet.
-        self._other: StreamMatcher | None = None
+        self._is_other = other is not None or not second_reading  # never starts another
+        self.norm = OtherNormalizer(other) if other is not None else Normalizer()
+        # The other readings, from where they can differ (see above): "swapped", then, once
+        # the text holds both kinds of invisible, "dropped" and "spaced".
+        self._others: list[StreamMatcher] = []
         # How far before a trailing hyphen a match that it may join can begin.
         self._join_span = max(rules.max_regex_span + 1, rules.literals.max_len)
         self.raw = bytearray()
@@ -164,18 +167,22 @@ class StreamMatcher:
             self._window = (self._window + new)[-self._window_len :]
             self._literals(new, found)
             self._regexes(found, new, final=False)
-        if self._other is not None:
-            self._adopt(self._other.feed(data), found)
-        elif self.norm.diverged_at is not None and not self._is_other:
-            self._other = self._other_reading()
-            self._adopt(self._other.feed(data), found)
+        others = self._others
+        for other in others:
+            self._adopt(other.feed(data), found)
+        if self.norm.diverged_at is not None and not self._is_other and len(others) < (
+                1 if self.norm.mixed_at is None else len(_READINGS)):
+            for reading in _READINGS[len(others) : 1 if self.norm.mixed_at is None else None]:
+                other = self._reading(reading)
+                self._adopt(other.feed(data), found)
+                others.append(other)
         self._checkpoints.append(self._snapshot())
         return found
 
-    def _other_reading(self) -> StreamMatcher:
-        """A matcher reading the text the other way, fed the tokens so far (their matches are
+    def _reading(self, reading: str) -> StreamMatcher:
+        """A matcher reading the text another way, fed the tokens so far (their matches are
         this one's: the readings differ only from the token being fed)."""
-        other = StreamMatcher(self.rules, self._deadline, other=True)
+        other = StreamMatcher(self.rules, self._deadline, other=reading)
         raw, checkpoints = self.raw, self._checkpoints
         for a, b in itertools.pairwise(checkpoints):
             other.feed(bytes(raw[a.raw_len : b.raw_len]))
@@ -204,8 +211,8 @@ class StreamMatcher:
             self._literals(new, found)
         self._regexes(found, new, final=True)
         self.depth, self._tail = 0, ""
-        if self._other is not None:
-            self._adopt(self._other.finish(), found)
+        for other in self._others:
+            self._adopt(other.finish(), found)
         return found
 
     @property
@@ -223,9 +230,9 @@ class StreamMatcher:
         first_unsafe = n - self.depth
         if self._in_making:
             first_unsafe = min(first_unsafe, *self._in_making.values())
-        if self._other is not None:
+        if self._others:
             own = norm.raw_start[first_unsafe] if first_unsafe < n else norm.settled
-            return min(own, self._other.safe_point)
+            return min(own, *(other.safe_point for other in self._others))
         if n and norm.text[-1] in "- " and not self._is_other:
             hyphen = norm.hyphen_at()  # a line break may yet join the words around it
             if hyphen is not None:
@@ -267,11 +274,11 @@ class StreamMatcher:
         del self.raw[cp.raw_len :]
         self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end,
                            cp.space, cp.hyphen)
-        if self._other is not None:
-            if self.norm.diverged_at is None:  # nothing left that reads otherwise
-                self._other = None
-            else:
-                self._other.rollback(tokens)
+        if self._others:  # only those that something left reads otherwise
+            del self._others[0 if self.norm.diverged_at is None else
+                             1 if self.norm.mixed_at is None else len(_READINGS):]
+            for other in self._others:
+                other.rollback(tokens)
         for m in self.matches[cp.n_matches :]:
             if m.rule.action in EDITS:
                 i = bisect.bisect_left(self.edits, m.start, key=_start)

@@ -38,9 +38,12 @@ a letter) and no rule without a dictionary tells them apart, so rules match both
 
 The matcher (matcher.py) runs the other reading beside the first from the first character
 where they can differ (an invisible, or a line break after such a hyphen) and reports the
-matches of both; a text with neither is read once. A phrase that needs an invisible of one
-class read both ways at once (`guar\u200banteed\u200breturns`) is not caught: a reader sees
-`guaranteedreturns` there, words run together as in plain text, which no reading splits.
+matches of both; a text with neither is read once. Once the text holds invisibles of both
+classes, two more readings run, each with the other reading's hyphens: every invisible as
+nothing (`gua\u200bran\x00teed`), every invisible as a space (`guaranteed\u200bfinancial\x00
+returns`). A phrase that needs invisibles of one class read both ways at once
+(`guar\u200banteed\u200breturns`) is not caught: a reader sees `guaranteedreturns` there,
+words run together as in plain text, which no reading splits.
 
 Every normalized character keeps the raw byte span that produced it (holdback, rollback and
 redaction act on raw text) and the script of its raw character (`scripts.py`): a match whose
@@ -174,9 +177,9 @@ def normalize(text: str) -> str:
     return "".join(n.text)
 
 
-def normalize_other(text: str) -> str:
-    """Whole-string normalized view, the other reading (see above)."""
-    n = OtherNormalizer()
+def normalize_other(text: str, reading: str = "swapped") -> str:
+    """Whole-string normalized view, another reading (see above)."""
+    n = OtherNormalizer(reading)
     n.feed(text.encode())
     n.flush()
     return "".join(n.text)
@@ -206,6 +209,11 @@ class Normalizer:
         # Raw offset of the first character the other reading may read otherwise (an
         # invisible, a line break after a hyphen after a letter); None: there is none.
         self.diverged_at: int | None = None
+        # … where the text first holds both a control and a format character (then two more
+        # readings, see the module's docstring), and the first of each.
+        self.mixed_at: int | None = None
+        self._control_at: int | None = None
+        self._format_at: int | None = None
 
     @property
     def pending(self) -> bytes:
@@ -281,11 +289,26 @@ class Normalizer:
             start = self.decoded_len
             self.decoded_len += size
             folded, tag, kind = fold_kind(ch)
-            if kind and self.diverged_at is None and (
-                    kind == INVISIBLE or self.hyphen_at() is not None):
+            if kind == INVISIBLE:
+                self._invisible(start, bool(folded))
+            elif kind and self.diverged_at is None and self.hyphen_at() is not None:
                 self.diverged_at = start
             for c in folded:
                 self._emit(c, tag, start)
+
+    def _invisible(self, start: int, control: bool) -> None:
+        """Note where the readings part: an invisible at raw offset start."""
+        if self.diverged_at is None:
+            self.diverged_at = start
+        if control:
+            if self._control_at is None:
+                self._control_at = start
+                if self._format_at is not None:
+                    self.mixed_at = start
+        elif self._format_at is None:
+            self._format_at = start
+            if self._control_at is not None:
+                self.mixed_at = start
 
     def flush(self) -> str:
         """The text ended: a held space is a space after all."""
@@ -334,6 +357,12 @@ class Normalizer:
         self.raw_len, self.decoded_len, self.space, self.hyphen = raw_len, decoded_len, space, hyphen
         if self.diverged_at is not None and self.diverged_at >= decoded_len:
             self.diverged_at = None
+        if self._control_at is not None and self._control_at >= decoded_len:
+            self._control_at = None
+        if self._format_at is not None and self._format_at >= decoded_len:
+            self._format_at = None
+        if self.mixed_at is not None and self.mixed_at >= decoded_len:
+            self.mixed_at = None
         self._decoder.setstate((pending, 0))
         del self.text[n_norm:], self.raw_start[n_norm:], self.raw_end[n_norm:], self.tags[n_norm:]
         if n_norm:
@@ -351,9 +380,18 @@ class Hold(NamedTuple):
     broken: bool  # … a line break among them
 
 
+# What a control and a format character read as in each other reading (OtherNormalizer).
+READINGS = {"swapped": ("", " "), "dropped": ("", ""), "spaced": (" ", " ")}
+
+
 class OtherNormalizer(Normalizer):
-    """The other reading (see the module's docstring): each invisible read the other way, and
-    a hyphen + line break between two letters vanishes."""
+    """Another reading (see the module's docstring): a hyphen + line break between two letters
+    vanishes, and invisibles read as READINGS says, (control, format) characters: "swapped"
+    (each the other way), "dropped" or "spaced"."""
+
+    def __init__(self, reading: str = "swapped") -> None:
+        super().__init__()
+        self._control_as, self._format_as = READINGS[reading]
 
     def feed(self, data: bytes) -> str:
         if self.hyphen is None and 0x2D not in data:
@@ -368,7 +406,7 @@ class OtherNormalizer(Normalizer):
             self.decoded_len += size
             folded, tag, kind = fold_kind(ch)
             if kind == INVISIBLE:
-                folded = "" if folded else " "
+                folded = self._control_as if folded else self._format_as
             held = self.hyphen
             if held is not None:
                 if folded in (" ", ""):  # the whitespace after the hyphen goes on
