@@ -167,6 +167,13 @@ class StreamMatcher:
             self._window = (self._window + new)[-self._window_len :]
             self._literals(new, found)
             self._regexes(found, new, final=False)
+        if self._others or self.norm.diverged_at is not None:  # most texts: neither
+            self._other_readings(data, found)
+        self._checkpoints.append(self._snapshot())
+        return found
+
+    def _other_readings(self, data: bytes, found: list[Match]) -> None:
+        """Feed the other readings; start those the text now needs."""
         others = self._others
         for other in others:
             self._adopt(other.feed(data), found)
@@ -176,8 +183,6 @@ class StreamMatcher:
                 other = self._reading(reading)
                 self._adopt(other.feed(data), found)
                 others.append(other)
-        self._checkpoints.append(self._snapshot())
-        return found
 
     def _reading(self, reading: str) -> StreamMatcher:
         """A matcher reading the text another way, fed the tokens so far (their matches are
