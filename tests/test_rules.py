@@ -797,3 +797,18 @@ def test_a_whole_text_search_finds_what_one_partial_search_did_where_it_is_kept(
     else:
         rest = search(text, pos=max(pos, kept_from), partial=True)
         assert (two and (two.span(), two.partial)) == (rest and (rest.span(), rest.partial))
+
+
+def test_a_complete_match_that_regex_calls_growing_is_reported_once_past_its_span(tmp_path):
+    """`regex`'s partial fullmatch calls a complete match after a lookbehind holding an
+    optional letter still growing; once the text passes the rule's span it must be
+    reported, not dropped (it was: a leak in streaming only, found by the no-risk family)."""
+    write(tmp_path, "a.yaml", "rules:\n  - id: rf\n    description: t\n    kind: regex\n"
+                              "    patterns: ['(?<!\\bscams? (?:\\w+ ){0,2})\\brisk-free\\b']\n"
+                              "    action: block\n    max_span: 40\n")
+    pack = Pack.load(tmp_path)
+    tail = " and you should talk to an adviser about what suits you before you invest."
+    for text in ("This fund is risk-free.", "This fund is risk-free" + tail):
+        assert [m.text for m in scan_text(pack.output, text)] == ["risk-free"], text
+        for seed in range(5):
+            assert [m.text for m in stream(pack.output, text, seed).matches] == ["risk-free"]

@@ -424,12 +424,17 @@ class StreamMatcher:
                 REGEX_TIMEOUTS.labels(r.rule.id).inc()
                 found.append(self._match(r.rule, pos, n, timed_out=True))
                 return False
-            if growing:
-                # Longer than the rule allows (plus one character that a lookahead or
-                # \b may need to settle it): it never matches.
-                if n - s > r.max_span + 1:
+            if growing and n - s > r.max_span + 1:
+                # Longer than the rule allows (plus one character that a lookahead or \b
+                # may need to settle it): nothing longer can match from s. A partial match
+                # never will; a complete one is settled as it is. (`regex`'s partial
+                # fullmatch calls some complete matches still growing, e.g. after a
+                # lookbehind holding an optional letter: skipping them would leak.)
+                if m.partial:
                     pos = s + 1
                     continue
+                growing = False
+            if growing:
                 if s < n:
                     self._in_making[i] = s
                 return True
