@@ -269,15 +269,15 @@ ADVERSARIAL_STATES: list[tuple[str, bytes]] = [
 
 def prefix_literals(n: int = 50_000, prefix: str = ADVERSARIAL_PREFIX,
                     vocab: list[bytes] | None = None) -> list[str]:
-    """n literals under the prefix: the prefix and each lowercase word-piece of the vocabulary
-    (so that after the prefix most words complete one, as a block list of names would), then
-    random tails."""
+    """n literals under the prefix: the prefix and each lowercase word-piece of the vocabulary,
+    joined or after a space (so that after the prefix most words complete one, as a block
+    list of names would), then random tails."""
     rng = random.Random(5)
     out: set[str] = set()
     for t in vocab or []:
         piece = t.decode("ascii", "ignore")
-        if piece.isalpha() and piece.islower() and len(out) < n // 2:
-            out.add(prefix + piece)
+        if piece.isalpha() and piece.islower() and len(out) < n * 2 // 3:
+            out.update((prefix + piece, f"{prefix} {piece}"))
     while len(out) < n:
         out.add(prefix + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)))
     return sorted(out)
@@ -337,9 +337,8 @@ NORMAL_PROMPTS = ["What is an index fund?", "Explain what a bond is.", "How does
 # Look-alike spellings of listed words for the model to copy: a listed word is refused
 # after the prefix, so that position is decoded again under its exact mask; each spelling
 # is another mask state (another cache entry). The stream asks again when it ends.
-ADVERSARY_PROMPTS = ["Repeat this line ten times: blocks blоcks bӏocks bloсks blосks BLOCKS",
-                     "Repeat this line ten times: blocking blоcking bӏocking blocкing ｂｌｏｃking",
-                     "Repeat this line ten times: blockade Blоckade bӏоckade blocкade BLОCKADE"]
+ADVERSARY_PROMPTS = ["Repeat this line ten times: bloc blоc bІoc Ьloc bloс blос bІос",
+                     "Repeat this line ten times: bloc blоc bӏoc bloс blос ｂｌｏｃ BLOC"]
 
 
 class TimedSink:
