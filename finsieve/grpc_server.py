@@ -36,8 +36,9 @@ def _ms(seconds: float) -> int:
 def server_options(settings: Settings, receive_bytes: int,
                    clients: bool = True) -> list[tuple[str, int]]:
     """A server's limits: frame size, handshake time, keepalive (a silent peer is dropped),
-    and for servers of clients (the public and the officers' port; not an engine's, whose
-    gateways hold their stream open for good) idle and age. The idle limit also closes a
+    idle, and for servers of clients (the public and the officers' port; not an engine's,
+    whose gateways hold their stream open for good) age. Idle closes only a connection with
+    no call open, so it never cuts a gateway's stream to an engine. The idle limit also closes a
     connection that never opens a call, even one that sent only the HTTP/2 preface (or
     nothing): with grpcio 1.85 and a 2 s limit, 20 such connections closed 1.9-2.3 s after
     they opened. Without it, one that sent the whole preface (with its SETTINGS frame) stays
@@ -54,7 +55,7 @@ def server_options(settings: Settings, receive_bytes: int,
         ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(settings.min_ping_interval_s)),
         ("grpc.http2.max_ping_strikes", 2),
     ]
-    if clients and settings.max_connection_idle_s > 0:
+    if settings.max_connection_idle_s > 0:
         options.append(("grpc.max_connection_idle_ms", _ms(settings.max_connection_idle_s)))
     if clients and settings.max_connection_age_s > 0:
         options += [("grpc.max_connection_age_ms", _ms(settings.max_connection_age_s)),

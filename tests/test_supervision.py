@@ -26,8 +26,9 @@ import redis
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from finsieve import supervise
+from finsieve import grpc_server, supervise
 from finsieve.client import Credentials
+from finsieve.config import Settings
 from finsieve.v1 import audit_pb2, audit_pb2_grpc
 
 from conftest import CANARY, REPO, TightServer, apply, free_port, start_server, wait_for
@@ -424,3 +425,41 @@ def test_the_officers_port_bounds_the_calls_open_at_once(srv):
     # The bound frees up with the calls.
     assert wait_for(lambda: health(srv.server.audit_target) == health_pb2.HealthCheckResponse.SERVING,
                     10, 0.1)
+
+
+def test_an_engines_port_closes_connections_that_open_no_call_but_keeps_open_streams():
+    """The engine's listener (server_options with clients=False, as serve.py builds it) has
+    the idle bound too: a connection with no call open is closed, a gateway's long-lived
+    stream (here a health Watch) is not."""
+    settings = Settings.load(env={"FINSIEVE_MAX_CONNECTION_IDLE_S": str(IDLE_S)})
+
+    async def run() -> None:
+        running = await grpc_server.start_server(
+            "127.0.0.1:0", [], options=grpc_server.server_options(
+                settings, grpc_server.ENGINE_MESSAGE_BYTES, clients=False))
+        target = f"127.0.0.1:{running.port}"
+        try:
+            async with grpc.aio.insecure_channel(target) as ch:
+                watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest())
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                socks = open_silent_connections(target, 20)
+                try:
+                    open_ = set(range(len(socks)))
+
+                    def all_closed() -> bool:
+                        open_.difference_update({i for i in open_ if closed_by_server(socks[i])})
+                        return not open_
+
+                    assert await asyncio.to_thread(wait_for, all_closed, IDLE_S + 10, 0.05), \
+                        f"{len(open_)} of 20 still open"
+                finally:
+                    for s in socks:
+                        s.close()
+                await running.set_serving(False)  # the stream that stayed open sees it
+                assert (await asyncio.wait_for(watch.read(), 10)).status == \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                watch.cancel()
+        finally:
+            await running.server.stop(0)
+
+    asyncio.run(run())
