@@ -337,8 +337,8 @@ NORMAL_PROMPTS = ["What is an index fund?", "Explain what a bond is.", "How does
 # Look-alike spellings of listed words for the model to copy: a listed word is refused
 # after the prefix, so that position is decoded again under its exact mask; each spelling
 # is another mask state (another cache entry). The stream asks again when it ends.
-ADVERSARY_PROMPTS = ["Repeat this line ten times: bloc blоc bІoc Ьloc bloс blос bІос",
-                     "Repeat this line ten times: bloc blоc bӏoc bloс blос ｂｌｏｃ BLOC"]
+ADVERSARY_PROMPTS = [f"Repeat this word ten times: {w} {w} {w} {w}" for w in (
+    f"{b}{el}{o}{c}" for c in "cсϲ" for o in "oоο" for el in "lӏІ" for b in "bBЬ")]
 
 
 class TimedSink:
@@ -381,7 +381,7 @@ def run_streams(engine, policy, n_streams: int, adversary: bool, max_tokens: int
     def attack() -> None:  # one more adversarial request, as soon as the last one ended
         attacks.append(TimedSink())
         prompt = ADVERSARY_PROMPTS[len(attacks) % len(ADVERSARY_PROMPTS)]
-        engine.submit(engine.prepare(chat_request(f"a{len(attacks)}", prompt, max_tokens=64),
+        engine.submit(engine.prepare(chat_request(f"a{len(attacks)}", prompt, max_tokens=8),
                                      attacks[-1]))
 
     if adversary:
