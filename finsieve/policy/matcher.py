@@ -16,8 +16,8 @@ same start) is held until it is settled.
 
 Invisible characters have two readings (normalize.py): the matcher reads the text the first
 way, and from the first character where the other reading can differ (an invisible, a line
-break after a hyphen) also the other way, with a second matcher fed the same tokens (the text
-so far replayed token by token when it starts, so both keep a checkpoint per token); once
+break after a hyphen) also the other way, with a second matcher fed the same tokens (built
+when it starts from this one's checkpoints, not fed the text so far again: see _derived); once
 the text holds both kinds of invisible, two more (every invisible as nothing, as a space).
 Their matches count as this matcher's (once: the same rule over the same span is one
 match), and the safe point is the earliest of them all. While the text ends in a hyphen
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from prometheus_client import Counter
 
-from .normalize import Hold, Normalizer, OtherNormalizer
+from .normalize import Hold, Normalizer, OtherNormalizer, fold_kind
 from .pack import RuleSet
 from .schema import EDITS, Rule
 from .scripts import accepts
@@ -119,6 +119,7 @@ class _Checkpoint(NamedTuple):
 
 _new_checkpoint = tuple.__new__
 _raw_len = operator.attrgetter("raw_len")  # sort keys: checkpoints by raw length, matches by start
+_n_norm = operator.attrgetter("n_norm")
 _start = operator.attrgetter("start")
 WALK_BACK = 4  # checkpoints clean_boundary_before steps back over before it searches
 _READINGS = ("swapped", "dropped", "spaced")  # the other readings, in the order they start
@@ -155,6 +156,8 @@ class StreamMatcher:
         # is not here has no match starting before the end of the text.
         self._in_making: dict[int, int] = {}
         self._checkpoints = [self._snapshot()]
+        self._born = 0  # an other reading: the token count it started from
+        self.replayed = 0  # tokens fed again to start another reading (see _reading)
 
     # -- feeding ----------------------------------------------------------------------
 
@@ -173,24 +176,119 @@ class StreamMatcher:
         return found
 
     def _other_readings(self, data: bytes, found: list[Match]) -> None:
-        """Feed the other readings; start those the text now needs."""
+        """Feed the other readings; start those the text now needs (in their state before
+        this token, so before the others are fed it)."""
         others = self._others
-        for other in others:
-            self._adopt(other.feed(data), found)
+        started = []
         if self.norm.diverged_at is not None and not self._is_other and len(others) < (
                 1 if self.norm.mixed_at is None else len(_READINGS)):
-            for reading in _READINGS[len(others) : 1 if self.norm.mixed_at is None else None]:
-                other = self._reading(reading)
-                self._adopt(other.feed(data), found)
-                others.append(other)
+            started = [self._reading(reading) for reading in
+                       _READINGS[len(others) : 1 if self.norm.mixed_at is None else None]]
+        for other in others:
+            self._adopt(other.feed(data), found)
+        for other in started:
+            self._adopt(other.feed(data), found)
+            others.append(other)
 
     def _reading(self, reading: str) -> StreamMatcher:
-        """A matcher reading the text another way, fed the tokens so far (their matches are
-        this one's: the readings differ only from the token being fed)."""
-        other = StreamMatcher(self.rules, self._deadline, other=reading)
+        """A matcher reading the text another way, in the state the tokens before this one
+        leave it in (their matches are this one's: the readings differ only from here on).
+        Built, not fed: replaying every earlier token cost as much as all of them had (72 ms
+        at 1,000 tokens, on the decode loop, every stream waiting), once per stream."""
+        tokens = len(self._checkpoints) - 1  # this token is being fed
+        if not self._others:  # nothing read otherwise yet: the first way, but for hyphens
+            return self._derived(reading, tokens)
+        swapped, norm = self._others[0], self.norm
+        decoded = self._checkpoints[tokens].decoded_len
+        # Which invisibles came before this token: a reading that reads them as "swapped"
+        # does has read the whole text as it did.
+        seen = {"dropped": norm._format_at, "spaced": norm._control_at}[reading]
+        if seen is None or seen >= decoded:
+            return swapped._copy(reading)
+        # Rare (an invisible of each class came in different tokens, the one that "swapped"
+        # reads otherwise first): from where the readings parted, fed the tokens since.
+        other = self._derived(reading, swapped._born)
         raw, checkpoints = self.raw, self._checkpoints
-        for a, b in itertools.pairwise(checkpoints):
+        for a, b in itertools.pairwise(checkpoints[swapped._born :]):
             other.feed(bytes(raw[a.raw_len : b.raw_len]))
+            self.replayed += 1
+        return other
+
+    def _derived(self, reading: str, tokens: int) -> StreamMatcher:
+        """Another reading's matcher in its state after the first `tokens` tokens, from this
+        one's checkpoints, where nothing before them reads otherwise (no invisible, no line
+        break after a letter and a hyphen). Its normalized text is then this one's, but for a
+        hyphen after a letter, which the other reading holds until the next visible character
+        (see OtherNormalizer): a hold still open drops the hyphen and the space after it from
+        the text, and a hold released with a space maps that space from the hyphen's end to
+        the next character (where a mark stood beside the space, this one maps it otherwise:
+        Normalizer.marked_hyphens). The matcher's state is a function of the normalized text
+        (the depth of its live literal suffix, where its regex matches in the making begin),
+        so it is this one's at the last checkpoint within the other's text, fed the rest (a
+        part of one token). List copies only; no token fed again."""
+        checkpoints = self._checkpoints
+        cp = checkpoints[tokens]
+        other = StreamMatcher(self.rules, self._deadline, other=reading)
+        other._born = tokens
+        other.raw = self.raw[: cp.raw_len]
+        src, dst = self.norm, other.norm
+        n = cp.n_norm
+        dst.text, dst.raw_start, dst.raw_end = src.text[:n], src.raw_start[:n], src.raw_end[:n]
+        dst.tags = src.tags[:n]
+        if n:
+            dst.raw_end[-1] = cp.last_end
+        dst.raw_len, dst.decoded_len, dst.space = cp.raw_len, cp.decoded_len, cp.space
+        dst._decoder.setstate((cp.pending, 0))
+        for k in src.marked_hyphens:
+            if k + 2 < n and dst.text[k + 1] == " " and self._holds(k):
+                dst.raw_start[k + 1], dst.raw_end[k + 1] = dst.raw_end[k], dst.raw_start[k + 2]
+        seen, depth, in_making = n, cp.depth, cp.in_making
+        k = dst.hyphen_at()
+        if k is not None and self._holds(k):
+            dst.hyphen = Hold(dst.raw_start[k], dst.raw_end[k], cp.decoded_len, "-", k + 1 < n, False)
+            del dst.text[k:], dst.raw_start[k:], dst.raw_end[k:], dst.tags[k:]
+            at = checkpoints[bisect.bisect_right(checkpoints, k, hi=tokens + 1, key=_n_norm) - 1]
+            seen, depth, in_making = at.n_norm, at.depth, at.in_making
+        text = dst.text
+        other.depth, other._in_making = depth, dict(in_making)
+        other._tail = "".join(text[seen - depth : seen]) if depth else ""
+        other._window = "".join(text[max(seen - other._window_len, 0) : seen])
+        if seen < len(text):  # before the held hyphen, in its token: what that token added
+            new = "".join(text[seen:])
+            other._window = (other._window + new)[-other._window_len :]
+            other._literals(new, [])
+            other._regexes([], new, final=False)
+            # Found before this token: this reading's matches there are this one's.
+            other.matches.clear()
+            other.edits.clear()
+            other._longest_edit = 0
+        # Checkpoints before `tokens` are never restored: a rollback to before the token that
+        # started this reading drops it (rollback).
+        other._checkpoints = [*checkpoints[:tokens], other._snapshot()]
+        return other
+
+    def _holds(self, k: int) -> bool:
+        """Whether the other readings hold the hyphen at normalized index k (one raw character
+        read as '-'; hyphen_at says a letter is before it)."""
+        norm = self.norm
+        ch = bytes(self.raw[norm.raw_start[k] : norm.raw_end[k]]).decode("utf-8", "replace")
+        return len(ch) == 1 and fold_kind(ch)[0] == "-"
+
+    def _copy(self, reading: str) -> StreamMatcher:
+        """This (other) reading's matcher, as another reading that has read the text as it did."""
+        other = StreamMatcher(self.rules, self._deadline, other=reading)
+        other._born = self._born
+        other.raw = self.raw[:]
+        src, dst = self.norm, other.norm
+        dst.text, dst.raw_start, dst.raw_end = src.text[:], src.raw_start[:], src.raw_end[:]
+        dst.tags = src.tags[:]
+        dst.raw_len, dst.decoded_len, dst.space, dst.hyphen = (src.raw_len, src.decoded_len,
+                                                              src.space, src.hyphen)
+        dst._decoder.setstate(src._decoder.getstate())
+        other.matches, other.edits = self.matches[:], self.edits[:]
+        other._longest_edit, other.depth, other._tail = self._longest_edit, self.depth, self._tail
+        other._window, other._in_making = self._window, dict(self._in_making)
+        other._checkpoints = self._checkpoints[:]
         return other
 
     def _adopt(self, matches: list[Match], found: list[Match]) -> None:

@@ -214,6 +214,10 @@ class Normalizer:
         self.mixed_at: int | None = None
         self._control_at: int | None = None
         self._format_at: int | None = None
+        # Indices of hyphens after a letter that a mark (or another character read as
+        # nothing) followed: where the other reading, which holds such a hyphen, maps the
+        # space after it to other raw bytes than this one (see matcher.StreamMatcher._derived).
+        self.marked_hyphens: list[int] = []
 
     @property
     def pending(self) -> bytes:
@@ -293,6 +297,10 @@ class Normalizer:
                 self._invisible(start, bool(folded))
             elif kind and self.diverged_at is None and self.hyphen_at() is not None:
                 self.diverged_at = start
+            if not folded and self.text and self.text[-1] in "- ":  # rare: a mark after one
+                k = self.hyphen_at()
+                if k is not None and (not self.marked_hyphens or self.marked_hyphens[-1] != k):
+                    self.marked_hyphens.append(k)
             for c in folded:
                 self._emit(c, tag, start)
 
@@ -364,6 +372,9 @@ class Normalizer:
         if self.mixed_at is not None and self.mixed_at >= decoded_len:
             self.mixed_at = None
         self._decoder.setstate((pending, 0))
+        marked = self.marked_hyphens
+        while marked and marked[-1] >= n_norm:
+            marked.pop()
         del self.text[n_norm:], self.raw_start[n_norm:], self.raw_end[n_norm:], self.tags[n_norm:]
         if n_norm:
             self.raw_end[-1] = last_end
