@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--limit", type=int, default=50)
     show = audit_parser("show", "a request's records by its audit id (Finished.audit_id), "
                         "or any record by its seq", _audit_show, filters=False)
-    show.add_argument("seq", type=int, metavar="AUDIT_ID|SEQ")
+    show.add_argument("seq", type=_seq, metavar="AUDIT_ID|SEQ")
     v = audit_parser("verify", "check the chain: exit 0 intact, 1 at the first broken record",
                      _audit_verify)
     v.add_argument("--anchors", action="append", default=[], type=Path, metavar="FILE",
@@ -324,6 +324,15 @@ def _when(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected 90s, 30m, 1h, 7d, an ISO time or Unix milliseconds") from None
+
+
+def _seq(text: str) -> int:
+    """A record seq or audit id: 1 to 2**53 - 1 (what the service accepts)."""
+    from finsieve.gateway.audit_service import MAX_SEQ
+
+    if not (text.isascii() and text.isdigit() and 0 < int(text[:20]) <= MAX_SEQ):
+        raise argparse.ArgumentTypeError(f"not an audit id or record seq (1 to {MAX_SEQ})")
+    return int(text)
 
 
 def _audit_call(args: argparse.Namespace, fn) -> int:

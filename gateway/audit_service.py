@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
@@ -17,17 +18,31 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from finsieve.auth import caller
-from finsieve.v1 import audit_pb2, audit_pb2_grpc
+from finsieve.policy.schema import _ID as RULE_ID
+from finsieve.policy.schema import ACTIONS
+from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 
 from .access import record
 from .anchors import Anchor, AnchorError, read_anchor
 from .audit import AuditLog, Cursor, Filters, id_hash, stored
 from .audit_verify import verify
+from .keys import TENANT_RE
 from .sensitive import canonical_value, value_hash
 
 MAX_PAGE = 1000
 MAX_ANCHORS = 10_000
 EXPORT_PAGE = 500
+# The largest record seq or audit id an officer may name: the largest integer JSON carries
+# exactly (far past any chain's length).
+MAX_SEQ = 2**53 - 1
+FINISH_REASONS = tuple(n.removeprefix("FINISH_REASON_")
+                       for n in chat_pb2.FinishReason.DESCRIPTOR.values_by_name
+                       if n != "FINISH_REASON_UNSPECIFIED")
+# A value an officer types with this many digits or more (a card number has 13 to 19) is
+# recorded in its access record by its keyed hash, never as typed: an id of the right
+# syntax can still be a card number, and no typed value may put one in the trail.
+HASHED_FROM_DIGITS = 13
+TYPED = ("tenant", "rule_id", "audit_id", "record_seq")  # typed by officers, checked by syntax
 
 
 async def abort_invalid(context: grpc.aio.ServicerContext, field: str, message: str) -> None:
@@ -57,8 +72,21 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
             await abort_invalid(context, "until_ms", "must not be before since_ms")
         if q.match and not canonical_value(q.match):
             await abort_invalid(context, "match", "has no letter or digit to look for")
-        if q.audit_id and not q.audit_id.isdigit():
-            await abort_invalid(context, "audit_id", "not an audit id (the digits of Finished.audit_id)")
+        if q.audit_id and not (q.audit_id.isascii() and q.audit_id.isdigit()
+                               and 0 < int(q.audit_id[:20]) <= MAX_SEQ):
+            await abort_invalid(context, "audit_id", "not an audit id (the digits of Finished.audit_id, "
+                                f"1 to {MAX_SEQ})")
+        if q.tenant and not TENANT_RE.match(q.tenant):
+            await abort_invalid(context, "tenant", "not a tenant id (1-64 letters, digits, '.', '_' or '-')")
+        if q.rule_id and not RULE_ID.match(q.rule_id):
+            await abort_invalid(context, "rule_id", "not a rule id (1-100 lowercase letters, digits, "
+                                "'.', '_' or '-')")
+        action = q.action.lower()
+        if action and action not in ACTIONS:
+            await abort_invalid(context, "action", f"one of {', '.join(ACTIONS)}")
+        finish_reason = q.finish_reason.upper().removeprefix("FINISH_REASON_")
+        if finish_reason and finish_reason not in FINISH_REASONS:
+            await abort_invalid(context, "finish_reason", f"one of {', '.join(FINISH_REASONS)}")
         officer, tenant = caller(), q.tenant
         if not officer.all_tenants:  # an officer reads its own tenant's records only
             if tenant and tenant != officer.tenant:
@@ -67,15 +95,35 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
         # User and request ids are indexed (and recorded in the access record) by keyed hash.
         user = id_hash(self.log.key, "user", q.user) if q.user else ""
         request_id = id_hash(self.log.key, "request_id", q.request_id) if q.request_id else ""
-        return Filters(q.since_ms, q.until_ms, tenant, user, q.rule_id, q.action,
-                       q.finish_reason.upper().removeprefix("FINISH_REASON_"), request_id,
-                       q.audit_id, value_hash(self.log.key, q.match) if q.match else "")
+        return Filters(q.since_ms, q.until_ms, tenant, user, q.rule_id, action, finish_reason,
+                       request_id, q.audit_id, value_hash(self.log.key, q.match) if q.match else "")
 
     async def _read(self, context: grpc.aio.ServicerContext, event: str, tenant: str,
                     details: dict) -> None:
-        """Every officer read is an audit record before anything is read."""
-        await record(self.log, context, "access", caller(),
-                     {"event": event, "tenant": tenant, **details})
+        """Every officer read is an audit record before anything is read. What the officer
+        typed is in it, except a value that could be a card number: its keyed hash
+        (`[hash:…]`, found by `--match`) stands for it, in the record and in its index keys.
+        Reading an index never writes one: only this record's own indexes are written."""
+        hashes: set[str] = set()
+        body = {"event": event, "tenant": tenant, **details}
+        body = self._typed(body, hashes)
+        if hashes:
+            body["match_hashes"] = sorted(hashes)
+        await record(self.log, context, "access", caller(), body)
+
+    def _typed(self, body: dict[str, Any], hashes: set[str]) -> dict[str, Any]:
+        """`body` as an access record holds it (see `_read`). Times are the server's own
+        checks' business; user, request id and match are keyed hashes already."""
+        out: dict[str, Any] = {}
+        for k, v in body.items():
+            if isinstance(v, dict):
+                v = self._typed(v, hashes)
+            elif k in TYPED and sum(c.isdigit() for c in str(v)) >= HASHED_FROM_DIGITS:
+                h = value_hash(self.log.key, str(v))
+                hashes.add(h)
+                v = f"[hash:{h}]"
+            out[k] = v
+        return out
 
     async def Query(self, request: audit_pb2.AuditQuery,
                     context: grpc.aio.ServicerContext) -> audit_pb2.AuditPage:
@@ -96,6 +144,8 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
     async def Get(self, request: audit_pb2.AuditGetRequest,
                   context: grpc.aio.ServicerContext) -> audit_pb2.AuditRecord:
         officer = caller()
+        if not 0 < request.seq <= MAX_SEQ:
+            await abort_invalid(context, "seq", f"not a record seq (1 to {MAX_SEQ})")
         await self._read(context, "audit_get", "" if officer.all_tenants else officer.tenant,
                          {"record_seq": request.seq})
         rec = await self.log.get(request.seq)
