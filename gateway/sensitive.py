@@ -27,6 +27,10 @@ from finsieve.policy.schema import Rule
 
 from .audit import derive_key
 
+# A rule checked by one of these finds card numbers (`card_number`: Luhn and a reader's
+# grouping, rules/identifiers.yaml).
+CARD_VALIDATORS = frozenset({"luhn", "card_number"})
+
 
 def canonical_value(value: str) -> str:
     return "".join(c for c in unicodedata.normalize("NFKC", value).casefold() if c.isalnum())
@@ -39,7 +43,7 @@ def value_hash(key: bytes, value: str) -> str:
 
 
 def _masked(rule: Rule, value: str) -> str:
-    if "luhn" in rule.validators:  # a card number: first 6 and last 4 digits stay
+    if CARD_VALIDATORS & set(rule.validators):  # a card number: first 6 and last 4 digits stay
         digits = sum(c.isdigit() for c in value)
         out, seen = [], 0
         for c in value:
@@ -69,13 +73,15 @@ class Sensitive:
         """`text` with every value a mask/hash rule matches protected; their hashes added."""
         return self.messages([text], hashes)[0]
 
-    def messages(self, contents: list[str], hashes: set[str]) -> list[str]:
+    def messages(self, contents: list[str], hashes: set[str],
+                 roles: list[str] | None = None) -> list[str]:
         """The messages of one conversation, each protected, values split over two or more
-        of them included (each part protected as its share of the whole value)."""
+        of them included (each part protected as its share of the whole value). With their
+        `roles`, the user's messages are also read as one stream (see `inputs.streams`)."""
         if not self.rules or not any(contents):
             return list(contents)
         edits: list[list[tuple[int, int, str]]] = [[] for _ in contents]
-        for m in conversation_matches(self.rules, contents):
+        for m in conversation_matches(self.rules, contents, roles):
             for part, shown in zip(m.parts, self._split(m, hashes), strict=True):
                 edits[part.message].append((part.start, part.end, shown))
         return [_apply(c, sorted(e)) if e else c for c, e in zip(contents, edits, strict=True)]

@@ -82,6 +82,7 @@ class Trace:
         end = time.monotonic()
         fields, hashes = self._stored_fields()
         hashes = set(hashes)
+        fields, delivered = self._with_answer(fields, "".join(self.delivered), hashes)
         if replayed is None:
             interventions = [self._protect(i, hashes) for i in self.interventions]
         else:
@@ -95,7 +96,7 @@ class Trace:
                          for k, v in sorted(self.request.metadata.items())},
             "model": self.model,
             "policy_version": self.policy_version,
-            "delivered": self._text("".join(self.delivered), hashes),
+            "delivered": delivered,
             "interventions": interventions,
             "cache_hit": self.cache_hit,
             "latency_ms": {
@@ -129,7 +130,8 @@ class Trace:
             # One conversation: a value split over two messages is masked in both.
             contents = [m.content for m in self.request.messages]
             if self.sensitive is not None:
-                contents = self.sensitive.messages(contents, hashes)
+                contents = self.sensitive.messages(contents, hashes,
+                                                   [m.role for m in self.request.messages])
             fields = {
                 **{k: self._text(self.request.metadata.get(k, ""), hashes) for k in CLIENT_LABELS},
                 "request_id": self._text(self.request.request_id, hashes),
@@ -139,6 +141,21 @@ class Trace:
             }
             self._stored = (fields, hashes)
         return self._stored
+
+    def _with_answer(self, fields: dict[str, Any], answer: str, hashes: set[str]
+                     ) -> tuple[dict[str, Any], str]:
+        """The stored messages and the delivered answer, read as one conversation: the
+        answer is its next message, so a number begun in a message and completed by the
+        model is masked in both (the client has the answer: output rules decide delivery;
+        the trail must not hold the number). A second scan of the messages, after the
+        answer; the started record, written before it, holds what the messages alone show."""
+        if self.sensitive is None:
+            return fields, answer
+        msgs = self.request.messages
+        protected = self.sensitive.messages([m.content for m in msgs] + [answer], hashes,
+                                            [m.role for m in msgs] + ["assistant"])
+        stored = [{"role": m.role, "content": c} for m, c in zip(msgs, protected, strict=False)]
+        return {**fields, "messages": stored}, protected[-1]
 
     def _text(self, text: str, hashes: set[str]) -> str:
         return self.sensitive.text(text, hashes) if self.sensitive else text

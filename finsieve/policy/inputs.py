@@ -17,6 +17,11 @@ replaced in its own message (the model sees the replacement in each), and one in
 names the whole value, messages joined: the audit trail masks and hashes it as one number,
 so `--match` finds it whole. The gateway masks the stored messages with the same function
 (`conversation_matches`), so what the model was not shown is never stored either.
+
+Which messages are read as neighbours (`streams`): all of them in turn, the user's alone
+(a number typed over two user turns, an assistant's "ok" between them), and those that hold
+a digit (a user's "and then" between the halves). The gateway stores the model's answer as
+the next message of the conversation, so a number it completes is masked in both.
 """
 
 from __future__ import annotations
@@ -66,9 +71,10 @@ def crosses_messages(rule: Rule) -> bool:
     return rule.audit != "keep"
 
 
-def conversation_matches(rules: RuleSet, contents: Sequence[str]) -> list[ConversationMatch]:
+def conversation_matches(rules: RuleSet, contents: Sequence[str],
+                         roles: Sequence[str] | None = None) -> list[ConversationMatch]:
     """Every match in each message alone, and every match of a value rule across messages
-    (see the module's note), by message and start."""
+    of one of the conversation's streams (see `streams`), by message and start."""
     raws = [c.encode() for c in contents]
     found = []
     for i, (content, raw) in enumerate(zip(contents, raws, strict=True)):
@@ -77,8 +83,31 @@ def conversation_matches(rules: RuleSet, contents: Sequence[str]) -> list[Conver
             found.append(ConversationMatch(m.rule, (Part(i, m.start, m.end, 0, len(text)),), text))
     if sum(1 for c in contents if c) > 1 and any(crosses_messages(r) for r in rules.rules):
         reach = max(rules.max_regex_span, rules.literals.max_len) + CONTEXT_CHARS
-        found += _crossing(rules, _windows(contents, reach))
+        windows = [w for order in streams(contents, roles) for w in _windows(contents, order, reach)]
+        seen: set[tuple[str, tuple[Part, ...]]] = set()  # a match two streams both hold
+        for m in _crossing(rules, windows):
+            if (m.rule.id, m.parts) not in seen:
+                seen.add((m.rule.id, m.parts))
+                found.append(m)
     return sorted(found, key=lambda m: (m.parts[0].message, m.parts[0].start))
+
+
+def streams(contents: Sequence[str], roles: Sequence[str] | None = None) -> list[list[int]]:
+    """The orders in which a reader joins the messages of one conversation (each a list of
+    message indexes, two or more): all of them in turn; the user's messages alone (a
+    number typed over two user turns is one number whatever the assistant said between);
+    and the messages that hold a digit (a turn without one, "ok" or "and then", holds no
+    part of a number and does not end one). At most three: windows of each, so the cost
+    stays the boundaries' (see `_windows`)."""
+    orders = [[i for i, c in enumerate(contents) if c]]
+    if roles is not None:
+        orders.append([i for i in orders[0] if roles[i] == "user"])
+    orders.append([i for i in orders[0] if any(ch.isdigit() for ch in contents[i])])
+    out: list[list[int]] = []
+    for order in orders:
+        if len(order) > 1 and order not in out:
+            out.append(order)
+    return out
 
 
 # A segment of a window: (message, raw byte start, raw byte end, its bytes).
@@ -105,21 +134,23 @@ def _significant_from(text: str, n: int, backwards: bool) -> int:
     return len(text) - m.end() if backwards else m.end()
 
 
-def _windows(contents: Sequence[str], reach: int) -> list[list[Segment]]:
+def _windows(contents: Sequence[str], order: Sequence[int], reach: int) -> list[list[Segment]]:
     """The stretches of the joined conversation that a match across a boundary can lie in:
     the last `reach` characters of a message (that the normalized view keeps: each is at
     least one character there) and the first `reach` of the next, a short message between
     them whole. A match is at most max_span normalized characters, so scanning these
-    finds what scanning the whole joined text would, at the cost of the boundaries only."""
+    finds what scanning the whole joined text would, at the cost of the boundaries only.
+    `order`: the messages of one stream, in turn."""
     windows: list[list[Segment]] = []
     current: list[Segment] = []
-    for i, text in enumerate(contents):
+    for k, i in enumerate(order):
+        text = contents[i]
         raw = text.encode()
         head = len(text[: _significant_from(text, reach, False)].encode())
         tail = len(text[: _significant_from(text, reach, True)].encode())
         if not current:
             current = [(i, tail, len(raw), raw[tail:])]
-        elif head >= tail or i == len(contents) - 1:  # short (or last): the window goes on
+        elif head >= tail or k == len(order) - 1:  # short (or last): the window goes on
             current.append((i, 0, len(raw), raw) if head >= tail else (i, 0, head, raw[:head]))
         else:
             windows.append([*current, (i, 0, head, raw[:head])])
@@ -181,7 +212,7 @@ def apply_input_rules(rules: RuleSet, messages: Iterable[ChatMessage]) -> InputV
     verdict = InputVerdict([])
     contents = [m.content for m in msgs]
     edits: list[list[tuple[Part, ConversationMatch]]] = [[] for _ in msgs]
-    for x in conversation_matches(rules, contents) if rules else []:
+    for x in conversation_matches(rules, contents, [m.role for m in msgs]) if rules else []:
         if x.rule.action in ("halt", "block"):
             verdict.halted = True
             verdict.events.append(Intervention(x.rule.id, x.rule.action, 0, 0,
