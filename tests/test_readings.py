@@ -131,18 +131,27 @@ def test_starting_a_reading_feeds_no_earlier_token_again():
         assert r.replayed == 3 * 500
 
 
-def test_a_late_second_class_of_invisible_copies_the_reading_that_read_as_it():
+@pytest.mark.parametrize(("early", "late"), [("\u200b", b" guar\x00anteed returns"),
+                                             ("\x00", " guar\u200banteed returns".encode())])
+def test_a_late_second_class_of_invisible_feeds_no_earlier_token_again(early, late):
     """A format character early, a control late: "spaced" has read everything as "swapped"
-    did (no control yet), so it is a copy; "dropped" reads the format character otherwise
-    and is fed again from where the readings parted, not from the start."""
+    did (no control yet), so it is a copy; "dropped" reads the format character otherwise:
+    it has run unheard since the format character (and the other way round)."""
     m = StreamMatcher(RULES)
     for piece in _long_answer(100):
         m.feed(piece)
-    m.feed("\u200b".encode())
+    m.feed(early.encode())
+    assert len(m._others) == 1 and m._shadow is not None
+    assert m._shadow._name == ("dropped" if early == "\u200b" else "spaced")
     for piece in _long_answer(50):
         m.feed(piece)
-    m.feed(b"guar\x00anteed returns")
-    assert len(m._others) == 3 and m.replayed == 51
+    m.feed(late)
+    assert len(m._others) == 3 and m._shadow is None and m.replayed == 0
+    # A rollback between the two keeps the one that ran unheard, for the next time.
+    m.rollback(150)
+    assert len(m._others) == 1 and m._shadow is not None and m.replayed == 0
+    m.feed(late)
+    assert len(m._others) == 3 and m.replayed == 0
     m.finish()
     assert FAMILY in [x.rule.id for x in m.matches]
 

@@ -157,6 +157,10 @@ class StreamMatcher:
         self._in_making: dict[int, int] = {}
         self._checkpoints = [self._snapshot()]
         self._born = 0  # an other reading: the token count it started from
+        self._name = other  # … and which one it is
+        # The reading run unheard from the first invisible until the text holds both classes
+        # (see _other_readings).
+        self._shadow: StreamMatcher | None = None
         self.replayed = 0  # tokens fed again to start another reading (see _reading)
 
     # -- feeding ----------------------------------------------------------------------
@@ -178,17 +182,28 @@ class StreamMatcher:
     def _other_readings(self, data: bytes, found: list[Match]) -> None:
         """Feed the other readings; start those the text now needs (in their state before
         this token, so before the others are fed it)."""
-        others = self._others
+        others, norm = self._others, self.norm
         started = []
-        if self.norm.diverged_at is not None and not self._is_other and len(others) < (
-                1 if self.norm.mixed_at is None else len(_READINGS)):
+        if norm.diverged_at is not None and not self._is_other and len(others) < (
+                1 if norm.mixed_at is None else len(_READINGS)):
             started = [self._reading(reading) for reading in
-                       _READINGS[len(others) : 1 if self.norm.mixed_at is None else None]]
+                       _READINGS[len(others) : 1 if norm.mixed_at is None else None]]
+        if self._shadow is None and norm.mixed_at is None and not self._is_other and (
+                norm._format_at is not None or norm._control_at is not None):
+            # The first invisible: the reading that reads its class otherwise than "swapped"
+            # does ("dropped" a format character, "spaced" a control) runs from here on
+            # unheard (its matches and safe point unused), so that it is ready if the other
+            # class comes: built then, it would be fed every token since again.
+            reading = "dropped" if norm._control_at is None else "spaced"
+            self._shadow = (others[0]._copy(reading) if others else
+                            self._derived(reading, len(self._checkpoints) - 1))
         for other in others:
             self._adopt(other.feed(data), found)
         for other in started:
             self._adopt(other.feed(data), found)
             others.append(other)
+        if self._shadow is not None:
+            self._shadow.feed(data)
 
     def _reading(self, reading: str) -> StreamMatcher:
         """A matcher reading the text another way, in the state the tokens before this one
@@ -205,8 +220,12 @@ class StreamMatcher:
         seen = {"dropped": norm._format_at, "spaced": norm._control_at}[reading]
         if seen is None or seen >= decoded:
             return swapped._copy(reading)
-        # Rare (an invisible of each class came in different tokens, the one that "swapped"
-        # reads otherwise first): from where the readings parted, fed the tokens since.
+        shadow = self._shadow
+        if shadow is not None and shadow._name == reading:  # the one run unheard (above)
+            self._shadow = None
+            return shadow
+        # Not reached (the shadow is that reading), kept as the correct fallback: from where
+        # the readings parted, fed the tokens since.
         other = self._derived(reading, swapped._born)
         raw, checkpoints = self.raw, self._checkpoints
         for a, b in itertools.pairwise(checkpoints[swapped._born :]):
@@ -278,7 +297,7 @@ class StreamMatcher:
         """This (other) reading's matcher, as another reading that has read the text as it did."""
         other = StreamMatcher(self.rules, self._deadline, other=reading)
         other._born = self._born
-        other.raw = self.raw[:]
+        other.raw = self.raw[:]  # (no shadow: only the first reading has one)
         src, dst = self.norm, other.norm
         dst.text, dst.raw_start, dst.raw_end = src.text[:], src.raw_start[:], src.raw_end[:]
         dst.tags = src.tags[:]
@@ -377,11 +396,8 @@ class StreamMatcher:
         del self.raw[cp.raw_len :]
         self.norm.truncate(cp.raw_len, cp.decoded_len, cp.pending, cp.n_norm, cp.last_end,
                            cp.space, cp.hyphen)
-        if self._others:  # only those that something left reads otherwise
-            del self._others[0 if self.norm.diverged_at is None else
-                             1 if self.norm.mixed_at is None else len(_READINGS):]
-            for other in self._others:
-                other.rollback(tokens)
+        if self._others or self._shadow is not None:
+            self._rollback_readings(tokens)
         for m in self.matches[cp.n_matches :]:
             if m.rule.action in EDITS:
                 i = bisect.bisect_left(self.edits, m.start, key=_start)
@@ -393,6 +409,22 @@ class StreamMatcher:
         self._in_making = dict(cp.in_making)
         self._tail = "".join(self.norm.text[len(self.norm.text) - self.depth :]) if self.depth else ""
         self._window = "".join(self.norm.text[-self._window_len :])
+
+    def _rollback_readings(self, tokens: int) -> None:
+        """Keep the other readings that something left reads otherwise (and the shadow, if an
+        invisible is left but not both classes: the one dropped with the mixed readings)."""
+        norm, others = self.norm, self._others
+        keep = 0 if norm.diverged_at is None else 1 if norm.mixed_at is None else len(_READINGS)
+        dropped = others[keep:]
+        del others[keep:]
+        shadow = None
+        if keep == 1 and (norm._format_at is not None or norm._control_at is not None):
+            name = "dropped" if norm._control_at is None else "spaced"
+            shadow = self._shadow if self._shadow is not None else next(
+                (o for o in dropped if o._name == name), None)
+        self._shadow = shadow
+        for other in others if shadow is None else [*others, shadow]:
+            other.rollback(tokens)
 
     def render(self, start: int, end: int) -> str:
         """Raw text between byte offsets, with every redact/rewrite match replaced."""
