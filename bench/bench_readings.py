@@ -7,9 +7,7 @@ first reading's checkpoints (`_derived`). Measured in the same run, each case `-
 times on a fresh matcher (median and worst), beside a plain token's cost (median of the N
 before it: after an early invisible, the readings that run then are in it; after the change
 a third, unheard, runs from the first invisible on, so that the late second class costs no
-replay). `Replaying` only starts readings the old way: its plain tokens run today's code,
-shadow included, so that column is not the old per-token cost (measured before the shadow, a
-plain token after an early invisible cost 0.038-0.054 ms; with it 0.061-0.075 ms).
+replay).
 
 Cases: a zero-width space (one other reading), a format character and a control in one
 token (three readings), and a zero-width space at the start with a control N tokens later
