@@ -68,8 +68,11 @@ def test_held_out_identifiers(rule_id, valid, number, grouping):
 
 def test_mixed_separators_and_a_number_inside_a_longer_run():
     assert spans("card 4111 1111-1111.1111 ok", "payment-card-number", 0) == ["4111 1111-1111.1111"]
-    # A longer digit run is not a card number, whatever window of it passes Luhn.
-    assert spans("ref 4111-1111-1111-1111-1111 ok", "payment-card-number", 0) == []
+    # A longer run of groups (up to 25 digits) with a card in it is redacted whole (issue
+    # 42: a reader sees the card); a run of whole groups with none is not a card number.
+    assert spans("ref 4111-1111-1111-1111-1111 ok", "payment-card-number", 0) == [
+        "4111-1111-1111-1111-1111"]
+    assert spans("ref 4111-1111-1111-1112-1111 ok", "payment-card-number", 0) == []
     assert spans("v 123-45-6789-1 ok", "us-ssn", 0) == []
     # A number after a full stop or a label is still one.
     assert spans("No.4111.1111.1111.1111.", "payment-card-number", 0) == ["4111.1111.1111.1111"]

@@ -133,10 +133,84 @@ def test_a_card_number_with_any_short_punctuation_between_its_groups_is_found(ca
 
 @pytest.mark.parametrize("text", [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13", "12, 15, 18, 21, 24, 27, 30, 33",
-    "1,234,567,890,123.45", "$4242, $4242, $4242, $4242", "4111_1111_1111_1111_1111",
-    "4111,1111,1111,1111,1111", "4242, 4242, 4242 and 4242", "4111,1111,1111,1112"])
+    "1,234,567,890,123.45", "$4242, $4242, $4242, $4242", "4242, 4242, 4242 and 4242",
+    "4111,1111,1111,1112", "4,111,111,111,111,111", "10; 20; 30; 40; 50; 60; 70; 80; 90",
+    "2019, 2020, 2021, 2022", "call +86 138 0013 8000 or 2025-12-04 12:30:45",
+    "4111_1111_1111_1111_1111_1111_1111", "4111_1111_1111_1112_1111"])
 def test_lists_amounts_longer_runs_and_bad_check_digits_are_not_cards(text):
+    # (12151821242730 33 and 4111 1111 1111 1111 1111 hold Luhn-valid digits: a list of
+    # two-digit numbers and a run of more than 25 digits are no card number to a reader.)
     assert _cards(f"See {text} here.", seed=0) == []
+
+
+# Digits of other scripts: \d takes them all, and a card rule has no letters, so no script
+# of its digits makes its match foreign text (scripts.py).
+OTHER_DIGITS = {
+    "arabic-indic": "٠١٢٣٤٥٦٧٨٩", "extended arabic-indic": "۰۱۲۳۴۵۶۷۸۹",
+    "devanagari": "०१२३४५६७८९", "bengali": "০১২৩৪৫৬৭৮৯", "thai": "๐๑๒๓๔๕๖๗๘๙",
+    "full-width": "０１２３４５６７８９"}
+# (Bengali: 5105 1051 0510 5100, whose digits the look-alike mapping reads right; it reads
+# Bengali 4 as 8 and 7 as 9, see the report of issue 42's helper HA1.)
+NATIVE = [f"{n[:4]}{sep}{n[4:8]}{sep}{n[8:12]}{sep}{n[12:]}".translate(str.maketrans("0123456789", digits))
+          for name, digits in OTHER_DIGITS.items()
+          for n in ["5105105105105100" if name == "bengali" else "4111111111111111"]
+          for sep in (" ", "-", ",", "")]
+# What a reader still takes for one number (the reviewer's list): digit by digit, long or
+# symbol separators, groupings outside the networks' shapes, an extra group beside a card.
+SPELLED = [
+    "4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1", ",".join("4111111111111111"),
+    "_".join("4111111111111111"), " ".join("4111111111111111"), "4111 -- 1111 -- 1111 -- 1111",
+    "**4111** **1111** **1111** **1111**", "4111¦1111¦1111¦1111", "4111$1111$1111$1111",
+    "4111°1111°1111°1111", "4111¤1111¤1111¤1111", "4111😀1111😀1111😀1111",
+    "4111🔹1111🔹1111🔹1111", "4111_111111111111", "41111111,11111111", "411,111,111,111,1111",
+    "411111111111,1111", "411111_1111111111", "4111*1111*11111111", "41111,11111,11111,1",
+    "41,11,11,11,11,11,11,11", "4111,1111,1111,1111,111", "4111,1111,1111,1111,7",
+    "7,4111,1111,1111,1111", "4111_1111_1111_1111_1", "12_4111_1111_1111_1111",
+    "4111_1111_1111_1111_1111", "4111,1111,1111,1111,1111", "4111,1111_1111.1111"]
+
+
+def _stored(text: str) -> str:
+    from finsieve.gateway.sensitive import Sensitive
+    return Sensitive(DEFAULT, b"k").text(text, set())
+
+
+@pytest.mark.parametrize("card", NATIVE + SPELLED)
+def test_every_spelling_a_reader_takes_for_one_number_is_redacted_in_input_output_and_store(card):
+    from finsieve.engine.preparer import Message
+    for i, context in enumerate(("Number: {}. Thanks", "1. {}, ok", "号码{}已登记")):
+        text = context.format(card)
+        # The Markdown stars around the number are not part of it; one group of digits
+        # after a list's "1. " is redacted with it (a run of groups that holds a card).
+        span = card.strip("*")
+        if i == 1 and card.isdecimal():
+            span, context = "1. " + card, "{}, ok"
+        assert _cards(text, seed=i) == [span], text
+        verdict = apply_input_rules(DEFAULT.input, [Message("user", text)])
+        assert verdict.messages[0]["content"] == context.format(
+            card.replace(span, "[REDACTED:card]") if span in card else "[REDACTED:card]"), text
+        assert card_numbers(_stored(text)) == [], text
+        assert card not in _stored(text)
+
+
+def test_regex_scripts_reads_no_letter_in_regex_syntax():
+    from finsieve.policy.scripts import LATIN, regex_scripts
+    for pattern in (r"\d{4}[\p{P} ]\d{4}", r"\d\p{Sm}\P{L}\pN\N{EM DASH}\d", r"(?P<first>\d)(?P=first)",
+                    r"(?<sep>[,_])\d(?&sep)\g<sep>\d", r"(?P>sep)(?(sep)\d|\s)", r"\d(?i:\d)\b",
+                    r"[[:digit:]]\X\m\d\M", r"\d++(?>\d)\d{2,}"):
+        assert regex_scripts(pattern) == frozenset(), pattern
+    assert regex_scripts(r"guaranteed\p{P}(?P<r>returns)") == {LATIN}
+    assert regex_scripts(r"(?P<x>\d)caf\N{LATIN SMALL LETTER E WITH ACUTE}") == {LATIN}
+    # The card and SSN rules spell no letter (the PRC ID rule has its check letter X).
+    for r in DEFAULT.output.regexes + DEFAULT.input.regexes:
+        if r.rule.id in ("payment-card-number", "us-ssn"):
+            assert r.scripts == frozenset(), r.rule.id
+
+
+def test_a_digit_of_any_script_is_no_letter_of_it():
+    from finsieve.policy.scripts import ALNUM, LATIN, accepts, script_tag
+    assert {script_tag(d) for digits in OTHER_DIGITS.values() for d in digits} == {ALNUM}
+    # A span of Devanagari digits counts even for a pattern written in Latin letters.
+    assert accepts(frozenset({LATIN}), bytes(script_tag(c) for c in "४१११ ११११"))
 
 
 def test_a_number_split_over_two_messages_is_redacted_and_masked_in_both():
