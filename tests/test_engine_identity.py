@@ -100,20 +100,31 @@ def mtls_engine(tmp_path_factory, certs, default_model_dir, peers) -> Engine:
     assert e.server.stop() == 0
 
 
+# grpc.aio's client: when a server ends a stream before reading it (here: refused in its
+# interceptor), the client's request write that was under way may fail the call as
+# INTERNAL "Internal error from Core" instead of the server's status (measured: 5 of 60
+# calls). That is the client library's race, not the engine's answer (its log says why it
+# refused), so a call that ends so is made again, a few times.
+CORE_RACE = "Internal error from Core"
+CORE_RACE_TRIES = 6
+
+
 async def generate(target: str, credentials: Credentials) -> grpc.StatusCode | str:
     """Call Engine/Generate directly, as a gateway would: the answer's text, or the status."""
+    for _ in range(CORE_RACE_TRIES):
+        result = await _generate_once(target, credentials)
+        if result != (grpc.StatusCode.INTERNAL, CORE_RACE):
+            break
+    return result[0] if isinstance(result, tuple) else result
+
+
+async def _generate_once(target: str, credentials: Credentials) -> tuple[grpc.StatusCode, str] | str:
     request = chat_pb2.ChatClientMessage(request=chat_request("direct", "Say hello.", max_tokens=3))
-    outbox: asyncio.Queue = asyncio.Queue()
-    outbox.put_nowait(request)
-
-    async def frames():
-        while (msg := await outbox.get()) is not None:
-            yield msg
-
     async with credentials.channel(target) as channel:
-        call = engine_pb2_grpc.EngineStub(channel).Generate(frames(), timeout=120)
+        call = engine_pb2_grpc.EngineStub(channel).Generate(timeout=120)
         text = ""
         try:
+            await call.write(request)
             async for step in call:
                 for event in step.events:
                     text += event.delta.text
@@ -121,7 +132,7 @@ async def generate(target: str, credentials: Credentials) -> grpc.StatusCode | s
                         call.cancel()
                         return text or event.WhichOneof("event")
         except grpc.aio.AioRpcError as e:
-            return e.code()
+            return e.code(), e.details() or ""
     return "the stream ended without an answer"
 
 
