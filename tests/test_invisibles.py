@@ -33,15 +33,18 @@ FAMILY = "promissory-guaranteed-returns-en"
 FORMAT_CHARS = ["\ufff9", "\ufffa", "\ufffb", *map(chr, range(0x600, 0x606)), "\u070f", "\u08e2",
                 "\U00013430", "\U00013438", "\U00013439", "\U0001343f"]
 CONTROLS = ["\x00", "\x01", "\x08", "\x0e", "\x1b", "\x1c", "\x1f", "\x7f", "\x80", "\x9b", "\x9f"]
+# Line breaks that web pages and chat bubbles show as nothing (a review's finding: they read
+# as a space inside a word, so `gua\x85ranteed` passed).
+UNSEEN_BREAKS = ["\x0b", "\x0c", "\x85", "\u2028", "\u2029"]
 # The only separator between two words.
 SEPARATORS = ["\u200b", "\u200c", "\u200d", "\u200e", "\u200f", "\u00ad", "\u2060", "\ufeff",
               "\u061c", "\ufff9", "\u0600", "\x00", "\x9b", "\U00013430"]
 LINE_BREAK_HYPHENS = ["-\n", "-\r\n", "-  \n", "- \r\n  ", "-\n\t", "\u00ad\n", "\u00ad\r\n",
-                      "\u2010\n", "\u2011\n", "-\u2028", "-\x85", "-\r"]
+                      "\u2010\n", "\u2011\n", "-\u2028", "-\x85", "-\r", "-\x0b", "-\u2029"]
 
 # raw phrase -> the evasion's name; each one must be read as "guaranteed returns".
 EVASIONS: dict[str, str] = {}
-for ch in FORMAT_CHARS + CONTROLS:
+for ch in FORMAT_CHARS + CONTROLS + UNSEEN_BREAKS:
     EVASIONS[f"guar{ch}anteed returns"] = f"U+{ord(ch):04X} inside a word"
     EVASIONS[f"guaranteed ret{ch}urns"] = f"U+{ord(ch):04X} inside the second word"
 for ch in SEPARATORS:

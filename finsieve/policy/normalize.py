@@ -11,7 +11,7 @@ Each raw character maps to its fold, whatever surrounds it:
     marks U+0600-0605, U+070F, U+08E2, the hieroglyph format controls U+13430-1343F), and so
     do decorating marks (nonspacing and enclosing: accents, strike-through, circles);
   * NFKC (full-width `１５％` → `15%`, `ﬁ` → `fi`), then case folding (`Straße` → `strasse`);
-  * every dash reads as `-`;
+  * every dash reads as `-`; a decimal digit of any script reads as its value (`৪` is `4`);
   * a non-ASCII character that looks like a Latin letter or digit reads as it, per the
     UTS #39 confusables data (Cyrillic `е` → `e`, Greek `ο` → `o`, Cherokee `Ꭱ` → `r`).
     ASCII is never remapped: `1`, `0`, `m` and `|` stay what they are.
@@ -71,7 +71,7 @@ from .utf8 import replaced_in_step
 
 # Bump when the view changes for the same Unicode data; the data versions are part of it
 # (the `regex` module's version stands for its Unicode data: it classes the invisibles).
-VIEW_VERSION = (f"3/unicode-{unicodedata.unidata_version}/regex-{regex.__version__}"
+VIEW_VERSION = (f"4/unicode-{unicodedata.unidata_version}/regex-{regex.__version__}"
                 f"/confusables-{disarm.CONFUSABLES_VERSION}")
 
 # Printable ASCII without a run of spaces: its normalized form is its lower case.
@@ -85,6 +85,9 @@ _INVISIBLE = regex.compile(r"[\p{Default_Ignorable_Code_Point}\p{Cf}\p{Cc}\p{Mn}
 _WHITE_SPACE = regex.compile(r"\p{White_Space}")
 _CONTROL = regex.compile(r"\p{Cc}")
 _LINE_BREAKS = frozenset("\n\v\f\r\x85\u2028\u2029")  # White_Space that ends a line
+# Line breaks that many renderers (a web page, a chat bubble) show as nothing: read both
+# ways, like a control (`gua\x85ranteed` is `guaranteed` in the other reading).
+_UNSEEN_BREAKS = frozenset("\v\f\x85\u2028\u2029")
 _SOFT_HYPHEN = "\u00ad"
 # What a raw character is besides its fold (fold_kind): most are neither.
 INVISIBLE, LINE_BREAK = 1, 2
@@ -140,9 +143,11 @@ def is_letter(ch: str) -> bool:
 @lru_cache(maxsize=65536)
 def fold_kind(ch: str) -> tuple[str, int, int]:
     """The normalized form of one raw character in the first reading ('' when it
-    vanishes), its script tag, and its kind: INVISIBLE (the other reading swaps '' and ' '),
-    LINE_BREAK, or 0."""
+    vanishes), its script tag, and its kind: flags INVISIBLE (the other reading swaps '' and
+    ' ') and LINE_BREAK, or 0."""
     if _WHITE_SPACE.match(ch):
+        if ch in _UNSEEN_BREAKS:
+            return " ", 0, INVISIBLE | LINE_BREAK
         return " ", 0, LINE_BREAK if ch in _LINE_BREAKS else 0
     if _CONTROL.match(ch):
         return " ", 0, INVISIBLE
@@ -152,7 +157,11 @@ def fold_kind(ch: str) -> tuple[str, int, int]:
         return "", 0, 0
     out = []
     for c in _base(ch):
-        if not c.isascii():
+        if c.isdecimal() and not c.isascii():
+            # A digit of any script reads as its value (Bengali ৪ is 4, though it looks
+            # like an 8): card numbers are checked by value (Luhn).
+            c = str(unicodedata.decimal(c))
+        elif not c.isascii():
             # The skeleton's case and marks are folded like everything else.
             c = _base(disarm.normalize_confusables(c))
         out.append(c)
@@ -293,7 +302,7 @@ class Normalizer:
             start = self.decoded_len
             self.decoded_len += size
             folded, tag, kind = fold_kind(ch)
-            if kind == INVISIBLE:
+            if kind & INVISIBLE:
                 self._invisible(start, bool(folded))
             elif kind and self.diverged_at is None and self.hyphen_at() is not None:
                 self.diverged_at = start
@@ -416,14 +425,14 @@ class OtherNormalizer(Normalizer):
             start = self.decoded_len
             self.decoded_len += size
             folded, tag, kind = fold_kind(ch)
-            if kind == INVISIBLE:
+            if kind & INVISIBLE:
                 folded = self._control_as if folded else self._format_as
             held = self.hyphen
             if held is not None:
                 if folded in (" ", ""):  # the whitespace after the hyphen goes on
                     self.hyphen = held._replace(end=self.decoded_len,
                                                 spaced=held.spaced or folded == " ",
-                                                broken=held.broken or kind == LINE_BREAK)
+                                                broken=held.broken or bool(kind & LINE_BREAK))
                     continue
                 self.hyphen = None
                 if not (held.broken and is_letter(folded[0])):
