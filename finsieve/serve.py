@@ -195,18 +195,21 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     loop = asyncio.get_running_loop()
 
     def run() -> None:
-        for attempt in range(1, ENGINE_LOOP_RESTARTS + 2):
+        backoff, failures = supervise.Backoff(), 0
+        while True:
+            started = time.monotonic()
             try:
                 engine.run()
                 break
             except Exception:  # a bug past the loop's own handling: never a silent stop
                 supervise.FAILURES.labels("engine-loop").inc()
-                if attempt > ENGINE_LOOP_RESTARTS:
-                    log.exception("engine loop failed; giving up", failures=attempt)
+                failures = supervise.in_a_row(failures, time.monotonic() - started, backoff)
+                if failures > ENGINE_LOOP_RESTARTS:
+                    log.exception("engine loop failed; giving up", failures=failures)
                     engine.failed.set()
                     break
-                delay = supervise.Backoff().delay(attempt)
-                log.exception("engine loop failed; starting it again", failures=attempt,
+                delay = backoff.delay(failures)
+                log.exception("engine loop failed; starting it again", failures=failures,
                               retry_in_s=delay)
                 time.sleep(delay)
         if engine.failed.is_set():

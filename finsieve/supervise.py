@@ -30,6 +30,12 @@ class Backoff:
         return min(self.max_s, self.first_s * 2 ** max(0, min(failures - 1, 32)))
 
 
+def in_a_row(failures: int, ran_s: float, backoff: Backoff) -> int:
+    """Failures in a row after one more that ended a run of ran_s: a run longer than the
+    backoff's cap had recovered, so the count starts again."""
+    return 1 if ran_s > backoff.max_s else failures + 1
+
+
 class GaveUp(RuntimeError):
     """A supervised task failed `give_up_after` times in a row."""
 
@@ -48,7 +54,7 @@ async def supervise(name: str, run: Callable[[], Awaitable[object]], backoff: Ba
             await run()
             return
         except Exception as e:  # CancelledError is a BaseException: shutdown passes through
-            failures = 1 if loop.time() - started > backoff.max_s else failures + 1
+            failures = in_a_row(failures, loop.time() - started, backoff)
             FAILURES.labels(name).inc()
             if give_up_after and failures >= give_up_after:
                 log.exception("background task failed; giving up", task=name, failures=failures)

@@ -72,8 +72,11 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
             await abort_invalid(context, "until_ms", "must not be before since_ms")
         if q.match and not canonical_value(q.match):
             await abort_invalid(context, "match", "has no letter or digit to look for")
+        # The digits of a seq as the trail writes them: no leading zero (which could pad a
+        # card number past a range check into an index key name), at most MAX_SEQ.
         if q.audit_id and not (q.audit_id.isascii() and q.audit_id.isdigit()
-                               and 0 < int(q.audit_id[:20]) <= MAX_SEQ):
+                               and q.audit_id[0] != "0" and len(q.audit_id) <= len(str(MAX_SEQ))
+                               and int(q.audit_id) <= MAX_SEQ):
             await abort_invalid(context, "audit_id", "not an audit id (the digits of Finished.audit_id, "
                                 f"1 to {MAX_SEQ})")
         if q.tenant and not TENANT_RE.match(q.tenant):

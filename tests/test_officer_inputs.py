@@ -11,10 +11,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from pan_scan import card_numbers, leaks
 
+from finsieve.client import Credentials
 from finsieve.gateway.sensitive import value_hash
+from finsieve.v1 import audit_pb2, audit_pb2_grpc
 
 from conftest import Server, free_port, start_server
 
@@ -110,3 +113,19 @@ def test_reading_an_index_creates_no_key(officers):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_an_audit_id_padded_with_zeros_is_a_field_error(officers):
+    """Only the first 20 characters were range-checked: zeros in front let a card number
+    through into an index key's name."""
+    async def query(audit_id: str) -> grpc.StatusCode:
+        async with Credentials(officers.key("officer")).channel(officers.audit_target) as ch:
+            try:
+                await audit_pb2_grpc.AuditServiceStub(ch).Query(audit_pb2.AuditQuery(audit_id=audit_id))
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+    for padded in ("0" * 19 + "1" + CARD.replace(" ", ""), "01"):
+        assert asyncio.run(query(padded)) == grpc.StatusCode.INVALID_ARGUMENT, padded
+    assert asyncio.run(query("1")) == grpc.StatusCode.OK

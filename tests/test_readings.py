@@ -14,6 +14,8 @@ same state.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,8 @@ FAMILY = "promissory-guaranteed-returns-en"
 class Replaying(StreamMatcher):
     """The matcher as it was: another reading starts fed every earlier token again."""
 
+    replayed = 0  # tokens fed again
+
     def _reading(self, reading: str) -> StreamMatcher:
         other = StreamMatcher(self.rules, self._deadline, other=reading)
         raw, checkpoints = self.raw, self._checkpoints
@@ -38,6 +42,25 @@ class Replaying(StreamMatcher):
             other.feed(bytes(raw[a.raw_len : b.raw_len]))
             self.replayed += 1
         return other
+
+
+@contextmanager
+def other_feeds() -> Iterator[list[int]]:
+    """[tokens fed to other readings meanwhile]: a reading started by replaying is fed every
+    earlier token again; one built from checkpoints only the token that starts it."""
+    fed = [0]
+    feed = StreamMatcher.feed
+
+    def counted(self: StreamMatcher, data: bytes) -> list:
+        if self._name is not None:
+            fed[0] += 1
+        return feed(self, data)
+
+    StreamMatcher.feed = counted  # type: ignore[method-assign]
+    try:
+        yield fed
+    finally:
+        StreamMatcher.feed = feed  # type: ignore[method-assign]
 
 
 PIECES = ["guaranteed", "guaran", "teed", " returns", "ret", "urns", " risk", "-free", "free",
@@ -112,8 +135,10 @@ def test_starting_a_reading_feeds_no_earlier_token_again():
         for piece in _long_answer(500):
             m.feed(piece)
         assert m._others == []
-        m.feed(f" guar{late}anteed".encode())
-        assert len(m._others) == 1 and m.replayed == 0, late
+        with other_feeds() as fed:
+            m.feed(f" guar{late}anteed".encode())
+        # This token, to each reading that runs now (the one heard, the one run unheard).
+        assert len(m._others) == 1 and fed[0] <= 3, (late, fed)
         m.feed(b" returns.")
         m.finish()  # (a match that may still grow is held until the text settles it)
         assert [x.rule.id for x in m.matches] == [FAMILY], late
@@ -121,14 +146,16 @@ def test_starting_a_reading_feeds_no_earlier_token_again():
         m = StreamMatcher(RULES)
         for piece in _long_answer(500):
             m.feed(piece)
-        m.feed("gua\u200bran\x00teed returns".encode())
-        assert len(m._others) == 3 and m.replayed == 0
+        with other_feeds() as fed:
+            m.feed("gua\u200bran\x00teed returns".encode())
+        assert len(m._others) == 3 and fed[0] <= 3, fed
         # … and the old path, for contrast: every earlier token again, for each reading.
         r = Replaying(RULES)
         for piece in _long_answer(500):
             r.feed(piece)
-        r.feed("gua\u200bran\x00teed returns".encode())
-        assert r.replayed == 3 * 500
+        with other_feeds() as fed:
+            r.feed("gua\u200bran\x00teed returns".encode())
+        assert r.replayed == 3 * 500 and fed == [3 * 501]
 
 
 @pytest.mark.parametrize(("early", "late"), [("\u200b", b" guar\x00anteed returns"),
@@ -145,13 +172,15 @@ def test_a_late_second_class_of_invisible_feeds_no_earlier_token_again(early, la
     assert m._shadow._name == ("dropped" if early == "\u200b" else "spaced")
     for piece in _long_answer(50):
         m.feed(piece)
-    m.feed(late)
-    assert len(m._others) == 3 and m._shadow is None and m.replayed == 0
+    with other_feeds() as fed:
+        m.feed(late)
+    assert len(m._others) == 3 and m._shadow is None and fed[0] <= 3
     # A rollback between the two keeps the one that ran unheard, for the next time.
     m.rollback(150)
-    assert len(m._others) == 1 and m._shadow is not None and m.replayed == 0
-    m.feed(late)
-    assert len(m._others) == 3 and m.replayed == 0
+    assert len(m._others) == 1 and m._shadow is not None
+    with other_feeds() as fed:
+        m.feed(late)
+    assert len(m._others) == 3 and fed[0] <= 3
     m.finish()
     assert FAMILY in [x.rule.id for x in m.matches]
 
@@ -168,7 +197,7 @@ def test_a_hyphen_held_across_tokens_when_the_reading_starts():
         r.feed(piece)
         assert _observed(m) == _observed(r)
     m.finish()
-    assert m.replayed == 0 and FAMILY in [x.rule.id for x in m.matches]
+    assert FAMILY in [x.rule.id for x in m.matches]
 
 
 @pytest.mark.parametrize("text", [
@@ -193,4 +222,3 @@ def test_every_cut_gives_the_replayed_readings(text):
         m.finish()
         r.finish()
         assert _observed(m) == _observed(r), chunks
-        assert m.replayed <= r.replayed  # (a late second class of invisible: some tokens)

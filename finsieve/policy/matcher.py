@@ -28,7 +28,6 @@ readings: the safe point stays before every match that could then span the join.
 from __future__ import annotations
 
 import bisect
-import itertools
 import operator
 import time
 from collections.abc import Callable
@@ -161,7 +160,6 @@ class StreamMatcher:
         # The reading run unheard from the first invisible until the text holds both classes
         # (see _other_readings).
         self._shadow: StreamMatcher | None = None
-        self.replayed = 0  # tokens fed again to start another reading (see _reading)
 
     # -- feeding ----------------------------------------------------------------------
 
@@ -220,18 +218,10 @@ class StreamMatcher:
         seen = {"dropped": norm._format_at, "spaced": norm._control_at}[reading]
         if seen is None or seen >= decoded:
             return swapped._copy(reading)
-        shadow = self._shadow
-        if shadow is not None and shadow._name == reading:  # the one run unheard (above)
-            self._shadow = None
-            return shadow
-        # Not reached (the shadow is that reading), kept as the correct fallback: from where
-        # the readings parted, fed the tokens since.
-        other = self._derived(reading, swapped._born)
-        raw, checkpoints = self.raw, self._checkpoints
-        for a, b in itertools.pairwise(checkpoints[swapped._born :]):
-            other.feed(bytes(raw[a.raw_len : b.raw_len]))
-            self.replayed += 1
-        return other
+        shadow, self._shadow = self._shadow, None
+        if shadow is None or shadow._name != reading:  # never: the one run unheard is it
+            raise RuntimeError(f"no reading {reading!r} to hand over")
+        return shadow
 
     def _derived(self, reading: str, tokens: int) -> StreamMatcher:
         """Another reading's matcher in its state after the first `tokens` tokens, from this
