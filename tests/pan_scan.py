@@ -1,11 +1,17 @@
-"""A small scanner for card numbers in what a server wrote (Valkey keys, values, the AOF).
+"""One scanner for card numbers in what a server wrote (Valkey keys and values, the AOF,
+exports, logs), shared by the PCI tests.
 
-It finds what a reader takes for one card number: digit groups joined by short runs (1-3
-characters) of spaces or punctuation, any run of whole consecutive groups holding 13-19
-digits that passes Luhn. Left out by shape, so that what a server must write cannot read
-as a leak: a group glued to a letter (hex hashes), a group that reads as a Unix time of
-2020-2033 (ts_ms, scores), and CR, LF, `"`, `$`, `:`, `*`, `=` never join groups (RESP
-framing, JSON, masks such as `4111 11** **** 1111`).
+It looks for what a reader would take for one card number: a run of digit groups joined by
+short runs (1-3 characters) of spaces or punctuation, every run of whole consecutive groups
+that holds 13-19 digits and passes Luhn. Whole groups, because a reader does not start a
+number in the middle of a group: a zero-padded 20-digit index member holds Luhn-valid
+13-digit windows that no one reads as a card. Left out on purpose, each by its shape, so
+that what the server must write anyway cannot read as a leak:
+  * a group glued to a letter (hex HMACs and hashes, base64, `04T01` in ISO times);
+  * a group that reads as a Unix time of 2020-2033 in s, ms, us or ns (10, 13, 16 or 19
+    digits from 16 to 19, as `ts_ms`, scores in the AOF), with its decimal fraction;
+  * CR, LF, `"`, `$`, `:`, `*` and `=` never join groups: they frame RESP (the AOF), JSON
+    and masks (`4111 11** **** 1111`), not numbers.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import re
 import unicodedata
 from pathlib import Path
 
-_RUN = re.compile(r"(?<![^\W_])\d+(?:(?:[^\w\r\n\"$:*=]|_){1,3}\d+)*(?![^\W_])")
+_SEP = r'(?:[^\w\r\n"$:*=]|_){1,3}'  # \w: letters, digits and `_`; `_` does join groups
+RUN = re.compile(rf"(?<![^\W_])\d+(?:{_SEP}\d+)*(?![^\W_])")  # not glued to a letter or digit
 _GROUP = re.compile(r"\d+")
 _TIME = re.compile(r"1[6-9](?:\d{8}|\d{11}|\d{14}|\d{17})")
 
 
-def luhn(digits: str) -> bool:
+def _luhn(digits: str) -> bool:
     total = 0
     for i, d in enumerate(reversed(digits)):
         n = unicodedata.digit(d)
@@ -27,31 +34,35 @@ def luhn(digits: str) -> bool:
     return total % 10 == 0
 
 
-def card_numbers(text: str) -> list[str]:
-    """Every Luhn-valid run of 13-19 digits in whole groups (see the module's note)."""
-    found = []
-    for run in _RUN.finditer(text):
-        for groups in _split_at_times(run.group()):
-            for i in range(len(groups)):
-                digits = ""
-                for g in groups[i:]:
-                    digits += g
-                    if len(digits) > 19:
-                        break
-                    if len(digits) >= 13 and luhn(digits):
-                        found.append(digits)
-    return found
-
-
-def _split_at_times(run: str) -> list[list[str]]:
-    """The run's digit groups, cut where a Unix time stands (it joins no number)."""
-    parts: list[list[str]] = [[]]
-    for g in _GROUP.findall(run):
-        if _TIME.fullmatch(g):
+def _readable_groups(run: str) -> list[list[re.Match[str]]]:
+    """The run's digit groups, split where a Unix time (and its fraction) stands."""
+    parts: list[list[re.Match[str]]] = [[]]
+    after_time = False
+    for g in _GROUP.finditer(run):
+        fraction = after_time and run[g.start() - 1] == "."
+        after_time = bool(_TIME.fullmatch(g.group()))
+        if after_time or fraction:
             parts.append([])
         else:
             parts[-1].append(g)
-    return parts
+    return [p for p in parts if p]
+
+
+def card_numbers(text: str) -> list[str]:
+    """Every Luhn-valid run of 13-19 digits grouped the way a reader reads one number, as
+    spelled in text."""
+    found = []
+    for run in RUN.finditer(text):
+        for groups in _readable_groups(run.group()):
+            for i in range(len(groups)):
+                digits = ""
+                for j in range(i, len(groups)):
+                    digits += groups[j].group()
+                    if len(digits) > 19:
+                        break
+                    if len(digits) >= 13 and _luhn(digits):
+                        found.append(run.group()[groups[i].start() : groups[j].end()])
+    return found
 
 
 async def everything_in(client) -> list[tuple[str, bytes]]:
@@ -70,7 +81,11 @@ async def everything_in(client) -> list[tuple[str, bytes]]:
         elif kind == "set":
             out += [(name, v) for v in await client.smembers(key)]
         elif kind == "zset":
-            out += [(name, m) for m in await client.zrange(key, 0, -1)]
+            out += [(name, m + b" " + str(s).encode())
+                    for m, s in await client.zrange(key, 0, -1, withscores=True)]
+        elif kind == "stream":
+            for entry_id, fields in await client.xrange(key):
+                out.append((name, entry_id + b" " + b" ".join(k + b"=" + v for k, v in fields.items())))
         else:
             raise AssertionError(f"{name}: a {kind} this scanner does not read")
     return out
@@ -82,8 +97,14 @@ async def aof_files(client) -> list[Path]:
     return sorted(p for p in (directory / sub).glob("*") if p.is_file()) + sorted(directory.glob("*.aof"))
 
 
-async def leaks(client) -> dict[str, list[str]]:
-    """Where a card number is in clear: each key name and value, and the AOF files."""
+async def stored_texts(client) -> dict[str, str]:
+    """Each key name and value, and each AOF file, by where it is."""
     texts = {f"valkey {name}": v.decode(errors="replace") for name, v in await everything_in(client)}
     texts.update({f"aof {p.name}": p.read_bytes().decode(errors="replace") for p in await aof_files(client)})
-    return {where: found for where, text in texts.items() if (found := card_numbers(text))}
+    return texts
+
+
+async def leaks(client) -> dict[str, list[str]]:
+    """Where a card number is in clear: each key name and value, and the AOF files."""
+    return {where: found for where, text in (await stored_texts(client)).items()
+            if (found := card_numbers(text))}

@@ -2,18 +2,9 @@
 spelling (issue #42, finding 1). Real server (gateway, engine, the real model, embedded
 Valkey), real gRPC, the officers' real CLI.
 
-The scanner (`card_numbers`) looks for what a reader would take for one card number: a run
-of digit groups joined by short runs (1-3 characters) of spaces or punctuation, every run
-of whole consecutive groups that holds 13-19 digits and passes Luhn. Whole groups, because
-a reader does not start a number in the middle of a group: a zero-padded 20-digit index
-member holds Luhn-valid 13-digit windows that no one reads as a card. Left out on purpose,
-each by its shape, so that what the server must write anyway cannot read as a leak:
-  * a group glued to a letter (hex HMACs and hashes, base64, `04T01` in ISO times);
-  * a group that reads as a Unix time of 2020-2033 in s, ms, us or ns (10, 13, 16 or 19
-    digits from 16 to 19, as `ts_ms`, scores in the AOF), with its decimal fraction;
-  * CR, LF, `"`, `$`, `:`, `*` and `=` never join groups: they frame RESP (the AOF), JSON
-    and masks (`4111 11** **** 1111`), not numbers.
-None of the numbers sent here has one of those shapes, so none is excluded by them.
+The scanner (`card_numbers`, tests/pan_scan.py) looks for what a reader would take for one
+card number; its module says what it leaves out by shape, and none of the numbers sent here
+has one of those shapes.
 """
 
 from __future__ import annotations
@@ -24,10 +15,10 @@ import random
 import re
 import subprocess
 import sys
-import unicodedata
 from pathlib import Path
 
 import pytest
+from pan_scan import RUN, card_numbers, stored_texts
 
 from finsieve.client import chat_request
 from finsieve.gateway.sensitive import value_hash
@@ -50,50 +41,6 @@ SPLIT = ("5425 2334", "3010 9903")  # one number over two user messages
 # What the model writes on its own, from an input that holds no card number: the four
 # groups of 4242 4242 4242 4242 joined by ", " (24 greedy tokens: the fourth and its ", ").
 ECHO_PROMPT = "Write these numbers separated by commas only: 4242, 4242, 4242 and 4242"
-
-_SEP = r'(?:[^\w\r\n"$:*=]|_){1,3}'  # \w: letters, digits and `_`; `_` does join groups
-_RUN = re.compile(rf"(?<![^\W_])\d+(?:{_SEP}\d+)*(?![^\W_])")  # not glued to a letter or digit
-_GROUP = re.compile(r"\d+")
-_TIME = re.compile(r"1[6-9](?:\d{8}|\d{11}|\d{14}|\d{17})")
-
-
-def _luhn(digits: str) -> bool:
-    total = 0
-    for i, d in enumerate(reversed(digits)):
-        n = unicodedata.digit(d)
-        total += (n * 2 - 9 if n > 4 else n * 2) if i % 2 else n
-    return total % 10 == 0
-
-
-def _readable_groups(run: str) -> list[list[re.Match[str]]]:
-    """The run's digit groups, split where a Unix time (and its fraction) stands."""
-    parts: list[list[re.Match[str]]] = [[]]
-    after_time = False
-    for g in _GROUP.finditer(run):
-        fraction = after_time and run[g.start() - 1] == "."
-        after_time = bool(_TIME.fullmatch(g.group()))
-        if after_time or fraction:
-            parts.append([])
-        else:
-            parts[-1].append(g)
-    return [p for p in parts if p]
-
-
-def card_numbers(text: str) -> list[str]:
-    """Every Luhn-valid run of 13-19 digits grouped the way a reader reads one number."""
-    found = []
-    for run in _RUN.finditer(text):
-        for groups in _readable_groups(run.group()):
-            for i in range(len(groups)):
-                digits = ""
-                for j in range(i, len(groups)):
-                    digits += groups[j].group()
-                    if len(digits) > 19:
-                        break
-                    if len(digits) >= 13 and _luhn(digits):
-                        found.append(run.group()[groups[i].start() : groups[j].end()])
-    return found
-
 
 def test_the_scanner_finds_every_spelling_and_skips_what_the_server_must_write():
     for card in (COMMAS, UNDERSCORES, SPACED_DASHES, DOUBLE_DOTS, USER, TAG, STOP, "4111111111111111",
@@ -249,40 +196,6 @@ def _requests():
     return [a, b, c, d]
 
 
-async def _everything_in(client) -> list[tuple[str, bytes]]:
-    """Every key name and every value of every type, as (key, bytes)."""
-    out: list[tuple[str, bytes]] = []
-    async for key in client.scan_iter(count=1000):
-        name = key.decode(errors="replace")
-        out.append((name, key))
-        kind = (await client.type(key)).decode()
-        if kind == "string":
-            out.append((name, await client.get(key) or b""))
-        elif kind == "hash":
-            out += [(name, k + b"=" + v) for k, v in (await client.hgetall(key)).items()]
-        elif kind == "list":
-            out += [(name, v) for v in await client.lrange(key, 0, -1)]
-        elif kind == "set":
-            out += [(name, v) for v in await client.smembers(key)]
-        elif kind == "zset":
-            out += [(name, m + b" " + str(s).encode())
-                    for m, s in await client.zrange(key, 0, -1, withscores=True)]
-        elif kind == "stream":
-            for entry_id, fields in await client.xrange(key):
-                out.append((name, entry_id + b" " + b" ".join(k + b"=" + v for k, v in fields.items())))
-        else:
-            raise AssertionError(f"{name}: a {kind} this test does not read")
-    return out
-
-
-async def _aof_files(client) -> list[Path]:
-    directory = Path((await client.config_get("dir"))["dir"])
-    sub = (await client.config_get("appenddirname")).get("appenddirname", "appendonlydir")
-    files = sorted(p for p in (directory / sub).glob("*") if p.is_file())
-    files += sorted(directory.glob("*.aof"))
-    return files
-
-
 def _cli(server: Server, *args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args, "--target",
                           server.audit_target, "--state-dir", str(server.state)],
@@ -305,10 +218,10 @@ def test_no_card_number_in_clear_in_valkey_its_aof_the_exports_or_the_log(server
         assert events[r.request_id][-1].WhichOneof("event") == "finished", events[r.request_id][-1]
         wait_cached(server, events[r.request_id], r)
 
-    async def stored() -> tuple[list[tuple[str, bytes]], list[Path]]:
+    async def stored() -> dict[str, str]:
         client = server.valkey()
         try:
-            return await _everything_in(client), await _aof_files(client)
+            return await stored_texts(client)
         finally:
             await client.aclose()
 
@@ -322,10 +235,9 @@ def test_no_card_number_in_clear_in_valkey_its_aof_the_exports_or_the_log(server
     matched = _cli(server, "query", "--match", "".join(SPLIT), "--format", "jsonl")
     sources["query --user"], sources["query --request-id"] = by_user, by_id
     sources["query --match"] = matched
-    values, aof = asyncio.run(stored())
-    assert len(values) > 20 and aof
-    sources.update({f"valkey {name}": v.decode(errors="replace") for name, v in values})
-    sources.update({f"aof {p.name}": p.read_bytes().decode(errors="replace") for p in aof})
+    valkey = asyncio.run(stored())
+    assert len(valkey) > 20 and any(where.startswith("aof ") for where in valkey)
+    sources.update(valkey)
     sources["server log"] = server.log()
 
     assert "pci-split" in sources["export jsonl"]  # the records are there to be scanned
@@ -336,7 +248,7 @@ def test_no_card_number_in_clear_in_valkey_its_aof_the_exports_or_the_log(server
     # The split number: neither half is anywhere whole (masked, the first keeps 6 digits,
     # the second 4).
     for where, text in sources.items():
-        runs = [_digits(m.group()) for m in _RUN.finditer(text)]
+        runs = [_digits(m.group()) for m in RUN.finditer(text)]
         assert not [r for r in runs if any(_digits(half) in r for half in SPLIT)], where
 
     # Officers still find the records: by user and by request id (looked up by their keyed
