@@ -19,6 +19,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from finsieve.grpc_server import Behavior, responses, wrap_handler
+
 log = structlog.get_logger(__name__)
 
 ROLES = ("app", "officer", "admin")
@@ -83,37 +85,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or service == HEALTH:
             return handler
         allowed = self._roles.get(service, frozenset())
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                self._streaming(handler.stream_stream, allowed), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                self._streaming(handler.unary_stream, allowed), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary(handler.stream_unary, allowed), handler.request_deserializer,
-                handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            self._unary(handler.unary_unary, allowed), handler.request_deserializer,
-            handler.response_serializer)
+        return wrap_handler(handler, lambda b: self._unary(b, allowed),
+                            lambda b: self._streaming(b, allowed))
 
-    def _unary(self, behavior, allowed: frozenset[str]):
+    def _unary(self, behavior: Behavior, allowed: frozenset[str]) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await self._admit(context, allowed)
             return await behavior(request, context)
         return call
 
-    def _streaming(self, behavior, allowed: frozenset[str]):
+    def _streaming(self, behavior: Behavior, allowed: frozenset[str]) -> Behavior:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await self._admit(context, allowed)
-            result = behavior(request, context)
-            if hasattr(result, "__aiter__"):
-                async for response in result:
-                    yield response
-            else:  # a handler that writes through context.write
-                await result
+            async for response in responses(behavior(request, context)):
+                yield response
         return call
 
     async def _admit(self, context: grpc.aio.ServicerContext, allowed: frozenset[str]) -> None:

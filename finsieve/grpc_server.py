@@ -5,7 +5,7 @@ that the server's log line carries (type and traceback), never the exception's t
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,24 +146,39 @@ class HideErrors(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                _streaming(handler.stream_stream, method), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _streaming(handler.unary_stream, method), handler.request_deserializer,
-                handler.response_serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                _unary(handler.stream_unary, method), handler.request_deserializer,
-                handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            _unary(handler.unary_unary, method), handler.request_deserializer,
-            handler.response_serializer)
+        return wrap_handler(handler, lambda b: _unary(b, method), lambda b: _streaming(b, method))
 
 
-def _unary(behavior, method: str):
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, unary: Callable[[Behavior], Behavior],
+                 streaming: Callable[[Behavior], Behavior]) -> grpc.RpcMethodHandler:
+    """`handler` with its behavior wrapped, for an interceptor: by `unary` where the call
+    answers once, by `streaming` where it answers with a stream."""
+    de, ser = handler.request_deserializer, handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), de, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), de, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), de, ser)
+    return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), de, ser)
+
+
+def responses(result: Any) -> AsyncIterator[Any]:
+    """A streaming behavior's answers: what it yields, or nothing for one that writes them
+    through context.write (awaited to its end)."""
+    return result if hasattr(result, "__aiter__") else _written(result)
+
+
+async def _written(result: Awaitable[Any]) -> AsyncIterator[Any]:
+    await result
+    return
+    yield  # an async generator that yields nothing
+
+
+def _unary(behavior: Behavior, method: str) -> Behavior:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
@@ -174,15 +189,11 @@ def _unary(behavior, method: str):
     return call
 
 
-def _streaming(behavior, method: str):
+def _streaming(behavior: Behavior, method: str) -> Behavior:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            result = behavior(request, context)
-            if hasattr(result, "__aiter__"):
-                async for response in result:
-                    yield response
-            else:  # a handler that writes through context.write
-                await result
+            async for response in responses(behavior(request, context)):
+                yield response
         except grpc.aio.AbortError:
             raise
         except Exception as e:
