@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from finsieve.client import chat_request
-from finsieve.engine.engine import NO_POLICY, CollectingSink, LLMEngine
+from finsieve.engine.engine import NO_POLICY
 from finsieve.policy.guard import Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import StreamMatcher, scan_text
@@ -28,6 +27,7 @@ from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2
 
 from conftest import text_of
+from test_enforcement import decode_together
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = Pack.load(REPO / "rules")
@@ -171,21 +171,6 @@ def test_the_checker_reads_claims_and_disclaimers():
 @pytest.fixture(scope="module")
 def default_policy(engine) -> Policy:
     return compile_policy(REPO / "rules", TokenTable.build(engine.token_bytes), None)[0]
-
-
-def decode_together(engine: LLMEngine, asks: list[tuple[Policy, str]], max_tokens: int) -> list[list]:
-    """Each (policy, prompt)'s events, decoded in one batch (as test_enforcement.py does):
-    a sequence keeps the policy it was prepared under."""
-    sinks = [CollectingSink() for _ in asks]
-    try:
-        for i, ((policy, prompt), sink) in enumerate(zip(asks, sinks, strict=True)):
-            engine.policy = lambda policy=policy: policy
-            engine.submit(engine.prepare(chat_request(f"nr{i}", prompt, max_tokens=max_tokens), sink))
-        while not all(s.finished for s in sinks):
-            engine.step()
-    finally:
-        engine.policy = lambda: NO_POLICY
-    return [s.events for s in sinks]
 
 
 @pytest.fixture(scope="module")
