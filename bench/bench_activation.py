@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from bench_gpu import _graph_ms
 from bench_one_row import build
 
-from finsieve.engine.activation import silu_mul
-from finsieve.engine.attention import chunk_groups
-from finsieve.engine.model import CompactLM, _rms_norm
+from engine.activation import silu_mul
+from engine.attention import chunk_groups
+from engine.model import CompactLM, _rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS, MAX_LEN = 129, 1024

@@ -36,7 +36,7 @@ from pathlib import Path
 import redis.asyncio as redis
 
 from finsieve import logs
-from finsieve.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
+from finsieve.app.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
 
 from prompts import LONG_ANSWERS
 
@@ -71,8 +71,8 @@ async def appends(port: int, password: str, n: int, writers: int, old_module: Pa
         logs = [old.AuditLog(c, KEY) for c in clients]
         anchoring = []
     else:
-        from finsieve.gateway.anchors import Anchoring, AnchorWriter
-        from finsieve.gateway.audit import AuditLog
+        from gateway.anchors import Anchoring, AnchorWriter
+        from gateway.audit import AuditLog
 
         logs = [AuditLog(c, KEY) for c in clients]
         anchoring = [Anchoring(log, AnchorWriter(anchors, f"w{i}", KEY), 1.0) for i, log in enumerate(logs)]
@@ -94,7 +94,7 @@ async def appends(port: int, password: str, n: int, writers: int, old_module: Pa
     if old_module is not None:
         ok = (await logs[0].verify()).ok
     else:
-        from finsieve.gateway.audit_verify import verify
+        from gateway.audit_verify import verify
 
         ok = (await verify(logs[0], anchor_dir=anchors)).ok
     for c in clients:
@@ -163,7 +163,7 @@ def bulk_record(seq: int, ts: int, rng: random.Random, size: int) -> tuple[dict,
 async def bulk_load(port: int, password: str, n: int, size: int = 200, first: int = 1) -> None:
     """Records with indexes as the gateway writes them (not chained: only reads are timed),
     numbered from `first` (far past a live chain's head, which never overwrites a record)."""
-    from finsieve.gateway.audit import TIME, index_key, record_key
+    from gateway.audit import TIME, index_key, record_key
 
     client = redis.Redis(port=port, password=password)
     rng = random.Random(0)
@@ -183,7 +183,7 @@ async def bulk_load(port: int, password: str, n: int, size: int = 200, first: in
 
 
 async def query_latency(port: int, password: str) -> dict:
-    from finsieve.gateway.audit import AuditLog, Filters
+    from gateway.audit import AuditLog, Filters
 
     client = redis.Redis(port=port, password=password)
     log = AuditLog(client, KEY)
@@ -268,7 +268,7 @@ async def itl_with_export(target: str, audit_target: str, creds: Credentials, st
         before += await chat_round(target, creds, streams, max_tokens, f"a{r}")
     start = time.perf_counter()
     export = await asyncio.create_subprocess_exec(
-        "nice", "-n", "10", sys.executable, "-m", "finsieve.cli", "audit", "export", "--since", "0",
+        "nice", "-n", "10", sys.executable, "-m", "finsieve.app.cli", "audit", "export", "--since", "0",
         "--target", audit_target, "--state-dir", state, stdout=asyncio.subprocess.PIPE)
     counted = asyncio.create_task(_count_lines(export.stdout))
     rounds_during = 0
@@ -306,7 +306,7 @@ def server_rows(args: argparse.Namespace) -> dict:
         log_path = Path(tmp) / "serve.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "finsieve.cli", "serve", "--port", str(port),
+                [sys.executable, "-m", "finsieve.app.cli", "serve", "--port", str(port),
                  "--audit-port", str(audit_port), "--state-dir", tmp,
                  "--model", str(REPO / ".finsieve/models/SmolLM2-135M-Instruct")],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FINSIEVE_LOG_FORMAT": "json"})

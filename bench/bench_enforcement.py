@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from finsieve.client import chat_request
-from finsieve.engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
-from finsieve.engine.loader import load_model
+from engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
+from engine.loader import load_model
+from finsieve.app.client import chat_request
 from finsieve.policy.guard import Guard, Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import scan_text

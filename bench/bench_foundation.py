@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from finsieve.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
+from finsieve.app.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
 
 from prompts import LONG_ANSWERS
 
@@ -104,7 +104,7 @@ def main() -> None:
         port = s.getsockname()[1]
         s.close()
         model = REPO / ".finsieve" / "models" / "SmolLM2-135M-Instruct"
-        cmd = [sys.executable, "-m", "finsieve.cli", "serve", "--port", str(port),
+        cmd = [sys.executable, "-m", "finsieve.app.cli", "serve", "--port", str(port),
                "--state-dir", tmp, "--model", str(model)]
         start = time.perf_counter()
         # Cache off: the levels repeat greedy prompts, and this measures decoding.

@@ -296,8 +296,8 @@ def run_engine_level(engine, texts: list[str], streams: int, rounds: int, max_to
     answers run evenly out of phase, as a server's concurrent clients do once past a
     start-up; the row then counts only the tokens delivered while every stream was running
     (the steady state)."""
-    from finsieve.client import chat_request
-    from finsieve.engine.events import LATE_REPAIRS
+    from engine.events import LATE_REPAIRS
+    from finsieve.app.client import chat_request
 
     rows_from = rows_to = None  # the steps' rows (matmul M) over the row's window, by bucket
     loop_from = loop_to = None  # the engine's step and loop counters over the same window
@@ -395,7 +395,7 @@ def _loop_metrics() -> dict[str, float]:
 def _step_rows() -> dict[str, float]:
     """The engine's steps so far by rows fed (finsieve_engine_step_rows), per bucket: the
     count of steps of at most `le` rows and more than the bucket before's."""
-    from finsieve.engine.events import STEP_ROWS
+    from engine.events import STEP_ROWS
 
     cumulative = [(s.labels["le"], s.value) for s in STEP_ROWS.collect()[0].samples
                   if s.name.endswith("_bucket")]
@@ -405,12 +405,12 @@ def _step_rows() -> dict[str, float]:
 def phase_inprocess(args) -> dict:
     import torch
 
+    from engine.engine import NO_POLICY, EngineLimits, LLMEngine
+    from engine.loader import load_model
+    from finsieve.app.serve import ENGINE_SWITCH_INTERVAL_S, settle_heap
     from finsieve.config import Settings
-    from finsieve.engine.engine import NO_POLICY, EngineLimits, LLMEngine
-    from finsieve.engine.loader import load_model
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
-    from finsieve.serve import ENGINE_SWITCH_INTERVAL_S, settle_heap
 
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)  # as `finsieve serve` runs the engine
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -493,7 +493,7 @@ def _baselines(engine, texts: list[str], args, result: dict) -> None:
     streams decode, as before mixed steps), cold and steady; mixed steps whose prompt tokens
     fill the budget wherever it ends (a tile no step fills); requests prepared on threads of
     this process (FINSIEVE_PREPARE_WORKERS=0)."""
-    from finsieve.engine.preparer import Preparer
+    from engine.preparer import Preparer
 
     with _mixed_steps_off(engine):
         result["unmixed"] = _baseline_rows(engine, texts, args, "mixed steps off", spread=False)
@@ -531,7 +531,7 @@ def _attributes_set(obj, **values):
 @contextlib.contextmanager
 def _mixed_steps_off(engine):
     """The engine as FINSIEVE_MIXED_TOKENS=0 serves (prompt batching then on, its default)."""
-    from finsieve.engine.engine import EngineLimits
+    from engine.engine import EngineLimits
 
     with _attributes_set(engine.scheduler, mixed_tokens=0,
                          prompt_batch=EngineLimits.prompt_batch_tokens), \
@@ -586,7 +586,7 @@ def _graph_replay_ms(engine) -> dict:
 
 
 def _req(text: str):
-    from finsieve.client import chat_request
+    from finsieve.app.client import chat_request
 
     return chat_request("p", text, max_tokens=1)
 
@@ -657,7 +657,7 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
     starts when every client has imported what it needs (`start`, a barrier): a client's
     start-up is not the server's time. spread_s: stream i of n sends its first request
     i * spread_s / n seconds after the start (see grpc_level)."""
-    from finsieve.client import Credentials, chat_request
+    from finsieve.app.client import Credentials, chat_request
     from finsieve.grpc_server import CHANNEL_OPTIONS
     from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
@@ -809,7 +809,7 @@ def phase_serve(args) -> dict:
     def start(cmd: list[str], name: str) -> subprocess.Popen:
         log = open(work / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
         logs.append(work / f"{name}.log")
-        return subprocess.Popen([sys.executable, "-m", "finsieve.cli", "serve", *cmd],
+        return subprocess.Popen([sys.executable, "-m", "finsieve.app.cli", "serve", *cmd],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
 
     t0 = time.perf_counter()
@@ -826,7 +826,7 @@ def phase_serve(args) -> dict:
                 for i in range(args.gateways)]
     result: dict = {"gateways": args.gateways, "client_procs": args.client_procs}
     try:
-        key = subprocess.run([sys.executable, "-m", "finsieve.cli", "keys", "create", "--direct",
+        key = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "keys", "create", "--direct",
                               "--tenant", "bench", "--role", "app", "--name", "bench_gpu"],
                              capture_output=True, text=True, timeout=60, env=env,
                              check=True).stdout.splitlines()[0]
@@ -1130,8 +1130,8 @@ def phase_profile(args) -> dict:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from finsieve.engine.engine import EngineLimits, LLMEngine
-    from finsieve.engine.loader import load_model
+    from engine.engine import EngineLimits, LLMEngine
+    from engine.loader import load_model
 
     device = torch.device("cuda")
     engine = LLMEngine(load_model(args.model_dir, Path(args.work), device),
@@ -1246,7 +1246,7 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
     share of the copy rate; the current tiles and the best five."""
     import torch
 
-    from finsieve.engine import gemv
+    from engine import gemv
 
     layer, hd = m.layers[0], m.head_dim
     hidden = layer.wo.shape[0]
@@ -1327,7 +1327,7 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
     Microseconds per layer, share of the copy rate."""
     import torch
 
-    from finsieve.engine import attention
+    from engine import attention
 
     cache_k, cache_v = m.cache.k[0], m.cache.v[0]
     dev = cache_k.device

@@ -49,13 +49,13 @@ def measure(args) -> dict[str, float]:
     sys.path.insert(0, str(REPO / "bench"))
     from bench_gpu import phase_model, prompts, rules_dir
 
-    from finsieve.client import chat_request
-    from finsieve.engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
-    from finsieve.engine.loader import load_model
-    from finsieve.engine.model_runner import Launch
+    from engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
+    from engine.loader import load_model
+    from engine.model_runner import Launch
+    from finsieve.app.client import chat_request
+    from finsieve.app.serve import settle_heap
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
-    from finsieve.serve import settle_heap
 
     work = Path(args.work)
     model_dir = work / "model"

@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from bench_gpu import phase_device, random_model, step_bytes
 
-from finsieve.engine import sampler
-from finsieve.engine.model import CompactLM
-from finsieve.engine.model_runner import ModelRunner, StepRow, _captured, embed_rows, optimistic_ids
-from finsieve.engine.sampler import sample, sample_greedy
+from engine import sampler
+from engine.model import CompactLM
+from engine.model_runner import ModelRunner, StepRow, _captured, embed_rows, optimistic_ids
+from engine.sampler import sample, sample_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,7 +122,7 @@ def measure(model: CompactLM, head, greedy) -> dict:
 
 
 def _graphs(model: CompactLM, head, greedy):
-    from finsieve.engine.model_runner import DecodeGraphs
+    from engine.model_runner import DecodeGraphs
 
     graphs = DecodeGraphs(model, 1)
     graphs.embed_rows, graphs.greedy = head, greedy

@@ -40,7 +40,7 @@ import disarm
 import prometheus_client
 from transformers import AutoTokenizer
 
-from finsieve.engine.tokens import token_byte_table
+from engine.tokens import token_byte_table
 from finsieve.policy import guard as our_guard
 from finsieve.policy import masks as our_masks
 from finsieve.policy import matcher as our_matcher
@@ -368,7 +368,7 @@ def p99_ms(gaps: list[float]) -> float:
 def run_streams(engine, policy, n_streams: int, adversary: bool, max_tokens: int) -> dict:
     """N normal greedy streams (and the adversarial one) to the end, in one batch; the normal
     streams' gaps between deltas."""
-    from finsieve.client import chat_request
+    from finsieve.app.client import chat_request
 
     engine.policy = lambda: policy
     sinks = []
@@ -419,8 +419,8 @@ def engine_streams(n_streams: int, max_tokens: int, table: TokenTable) -> dict:
     former path). Each run gets fresh mask tables (a cold ban-set cache)."""
     import torch
 
-    from finsieve.engine.engine import EngineLimits, LLMEngine
-    from finsieve.engine.loader import load_model
+    from engine.engine import EngineLimits, LLMEngine
+    from engine.loader import load_model
     from finsieve.policy.guard import Policy, compile_policy
 
     device = torch.device("cpu")

@@ -278,8 +278,8 @@ def _read_url(path: Path) -> str:
 
 def _validate_frame_limit(s: Settings) -> None:
     """Every request validation accepts must fit a frame, and every frame the engine link."""
-    from finsieve.gateway.validation import largest_valid_request
     from finsieve.grpc_server import MAX_MESSAGE_BYTES
+    from gateway.validation import largest_valid_request
 
     if s.max_message_bytes > MAX_MESSAGE_BYTES:
         raise ConfigError(f"FINSIEVE_MAX_MESSAGE_BYTES: at most {MAX_MESSAGE_BYTES}")

@@ -103,7 +103,7 @@ def spawn(settings: Settings, secrets: Secrets) -> Officers:
     """Start the officers' process (before gRPC starts threads in this one)."""
     # Its settings come on stdin: it needs none of ours, and some may be secrets.
     env = {k: v for k, v in os.environ.items() if not k.startswith("FINSIEVE_")}
-    process = subprocess.Popen([sys.executable, "-m", "finsieve.gateway.officers"],
+    process = subprocess.Popen([sys.executable, "-m", "gateway.officers"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     assert process.stdin is not None
     config = {"settings": dataclasses.asdict(settings), "redis_url": secrets.redis_url,

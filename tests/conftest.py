@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from finsieve.client import chat_request, wait_ready
+from finsieve.app.client import chat_request, wait_ready
 from finsieve.policy.pack import Pack
 from finsieve.policy.schema import PackError
 from finsieve.policy.sources import PackLimits
@@ -103,7 +103,7 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
     """`finsieve serve` on free ports; waits for health (over TLS with `credentials`)."""
     port, audit_port = free_port(), free_port()
     log_path = tmp / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "finsieve.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "finsieve.app.cli", "serve", "--port", str(port),
            "--audit-port", str(audit_port), "--state-dir", str(tmp / "state"), *args]
     full_env = {**os.environ, "FINSIEVE_LOG_FORMAT": "json", **(env or {})}
     with log_path.open("wb") as log:
@@ -129,7 +129,7 @@ def valkey(tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from finsieve.engine.loader import default_model_dir
+    from engine.loader import default_model_dir
 
     return default_model_dir(MODEL_STATE)
 
@@ -150,8 +150,8 @@ def engine(default_model_dir: Path):
     """The same model in-process, for non-streamed reference decodes."""
     import torch
 
-    from finsieve.engine.engine import EngineLimits, LLMEngine
-    from finsieve.engine.loader import load_model
+    from engine.engine import EngineLimits, LLMEngine
+    from engine.loader import load_model
 
     device = torch.device("cpu")
     model = load_model(str(default_model_dir), MODEL_STATE, device)
@@ -218,7 +218,7 @@ class ChatStream:
     It authenticates with `key`, by default the server's development app key."""
 
     def __init__(self, target: str, key: str | None = None, credentials=None) -> None:
-        from finsieve.client import Credentials
+        from finsieve.app.client import Credentials
         from finsieve.v1 import chat_pb2_grpc
 
         credentials = credentials or Credentials(dev_key(target) if key is None else key)
@@ -261,7 +261,7 @@ class ChatStream:
 
     async def until_done(self, *request_ids: str, timeout: float = 300) -> dict[str, list]:
         """Read until every named request has its terminal event; events per request."""
-        from finsieve.client import is_terminal
+        from finsieve.app.client import is_terminal
 
         # Terminal events the test read itself since the last until_done count too.
         waiting = set(request_ids) - {e.request_id for e in self.events[self._counted:]
@@ -291,7 +291,7 @@ def run_requests(target: str, requests: list, cancel: str = "") -> dict:
 
 def tagged(request_id: str, question: str, **kw):
     """A request from tenant bank-a's mobile app, user alice."""
-    from finsieve.client import chat_request
+    from finsieve.app.client import chat_request
 
     req = chat_request(request_id, question, **kw)
     req.metadata.update({"tenant": "bank-a", "app": "mobile", "user": "alice"})
@@ -304,7 +304,7 @@ def wait_cached(server: Server, events: list, request, tenant: str = "default") 
     keys' by default), never the request's metadata."""
     import redis
 
-    from finsieve.gateway.cache import cache_key
+    from gateway.cache import cache_key
 
     started = events[0].started
     key = cache_key(tenant, started.model, started.policy_version, request)
@@ -427,7 +427,7 @@ class RawStream:
 
     def __init__(self, target: str, options: list | None = None, timeout: float | None = None,
                  key: str | None = None) -> None:
-        from finsieve.client import Credentials
+        from finsieve.app.client import Credentials
 
         self.channel = Credentials(dev_key(target) if key is None else key).channel(target, options)
         self._frames: asyncio.Queue[bytes | None] = asyncio.Queue()

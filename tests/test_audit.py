@@ -18,11 +18,11 @@ import redis.asyncio as redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from finsieve.client import Credentials
-from finsieve.gateway.audit import TIME, AuditLog, Filters, record_key
-from finsieve.gateway.audit_verify import verify
+from finsieve.app.client import Credentials
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2
 from finsieve.valkey import EmbeddedValkey
+from gateway.audit import TIME, AuditLog, Filters, record_key
+from gateway.audit_verify import verify
 
 from conftest import (
     ChatStream,
@@ -90,7 +90,7 @@ def test_verify_names_the_exact_broken_record(valkey, tamper):
             forged = dict(rec, request_id="forged", seq=5)
             import hmac as h
 
-            from finsieve.gateway.audit import canonical
+            from gateway.audit import canonical
             forged["hmac"] = h.new(b"guess", canonical(forged), "sha256").hexdigest()
             await client.set(record_key(5), json.dumps(forged))
         return await verify(log)
@@ -104,7 +104,7 @@ def test_verify_names_the_exact_broken_record(valkey, tamper):
 def test_two_gateway_processes_appending_at_once_never_fork_the_chain(valkey):
     script = (
         "import asyncio, sys, redis.asyncio as r\n"
-        "from finsieve.gateway.audit import AuditLog\n"
+        "from gateway.audit import AuditLog\n"
         "async def main():\n"
         f"    log = AuditLog(r.Redis(port={valkey.port}, password={valkey.password!r}), {KEY!r})\n"
         "    for i in range(150):\n"
@@ -231,7 +231,7 @@ def test_every_finish_reason_leaves_a_complete_record(server):
 
 def test_audit_cli_and_service(server):
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args,
+        return subprocess.run([sys.executable, "-m", "finsieve.app.cli", "audit", *args,
                                "--target", server.audit_target, "--state-dir", str(server.state)],
                               capture_output=True, text=True, timeout=60)
 
@@ -497,7 +497,7 @@ def test_failed_requests_are_audited_and_verify_exits_1_at_a_broken_record(tmp_p
         assert final["error"]["code"] == grpc.StatusCode.UNAVAILABLE.value[0]
 
         def verify() -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", "verify",
+            return subprocess.run([sys.executable, "-m", "finsieve.app.cli", "audit", "verify",
                                    "--target", srv.audit_target, "--state-dir", str(srv.state)],
                                   capture_output=True, text=True, timeout=60)
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
-from finsieve.gateway.anchors import Anchoring, AnchorWriter, read_anchor
-from finsieve.gateway.audit import (
+from finsieve.valkey import valkey_binary
+from gateway.anchors import Anchoring, AnchorWriter, read_anchor
+from gateway.audit import (
     HEAD,
     TIME,
     AuditError,
@@ -29,8 +30,7 @@ from finsieve.gateway.audit import (
     parse,
     record_key,
 )
-from finsieve.gateway.audit_verify import verify
-from finsieve.valkey import valkey_binary
+from gateway.audit_verify import verify
 
 from conftest import free_port
 
@@ -187,7 +187,7 @@ def test_two_gateways_with_skewed_clocks_trim_without_breaking_the_chain(valkey)
     records written after A's and keep A's: a hole in the chain."""
     script = (
         "import asyncio, sys, time, redis.asyncio as r\n"
-        "from finsieve.gateway.audit import AuditLog\n"
+        "from gateway.audit import AuditLog\n"
         "async def main():\n"
         f"    log = AuditLog(r.Redis(port={valkey.port}, password={valkey.password!r}), {KEY!r},\n"
         "                   clock_ms=lambda: int(time.time() * 1000) + int(sys.argv[2]))\n"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from finsieve.client import chat_request
-from finsieve.engine.engine import NO_POLICY, LLMEngine
+from engine.engine import NO_POLICY, LLMEngine
+from finsieve.app.client import chat_request
 from finsieve.policy.guard import Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import scan_text
@@ -78,7 +78,7 @@ def decode_together(engine: LLMEngine, asks: list[tuple[Policy, str]], max_token
     """Each (policy, prompt)'s events, as ask() gives them, all decoded in one batch (the
     engine takes max_batch at a time, the rest wait for a slot). A sequence keeps the policy
     it was prepared under, as a served request keeps the pack it started with."""
-    from finsieve.engine.engine import CollectingSink
+    from engine.engine import CollectingSink
 
     sinks = [CollectingSink() for _ in asks]
     try:
@@ -231,7 +231,7 @@ def test_a_rollback_changes_nothing_for_the_other_sequences(under, default_polic
     engine = under(default_policy)
     alone = text_of(engine.generate(clean))
 
-    from finsieve.engine.engine import CollectingSink
+    from engine.engine import CollectingSink
 
     sinks = {r.request_id: CollectingSink() for r in (clean, dirty)}
     for r in (dirty, clean):

@@ -12,11 +12,11 @@ import grpc
 import pytest
 import torch
 
-from finsieve.client import chat_request
-from finsieve.engine.engine import NO_POLICY, CollectingSink, LLMEngine
-from finsieve.engine.sampler import BanIndex, SamplingRows, noise_key, sample
-from finsieve.engine.scheduler import Scheduler
-from finsieve.engine.sequence import Finish, Sampling, Sequence, Status
+from engine.engine import NO_POLICY, CollectingSink, LLMEngine
+from engine.sampler import BanIndex, SamplingRows, noise_key, sample
+from engine.scheduler import Scheduler
+from engine.sequence import Finish, Sampling, Sequence, Status
+from finsieve.app.client import chat_request
 from finsieve.errors import RequestError
 from finsieve.policy.guard import Guard, Verdict
 from finsieve.v1 import chat_pb2
@@ -252,7 +252,7 @@ def test_a_mixed_steps_prompt_tokens_end_at_a_whole_matmul_tile():
 def test_a_long_prompt_is_prefilled_in_steps_of_its_own_beside_decode_rows():
     """Past MIXED_MAX_POSITION a prompt's tokens would each re-read a long prefix in a mixed
     step: its prefill gets steps of up to prefill_chunk, as with mixed steps off."""
-    from finsieve.engine.scheduler import MIXED_MAX_POSITION
+    from engine.scheduler import MIXED_MAX_POSITION
 
     s = Scheduler(n_slots=4, max_waiting=8, prefill_chunk=4096, max_context=8192, mixed_tokens=64)
     s.add(_seq("running", 10))
@@ -369,7 +369,7 @@ def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(e
     """The engine with mixed steps (on the CPU only for this test: there they would make a
     prompt's chunks depend on the batch): prompts that arrive while another stream decodes
     ride in its decode forward, and every greedy answer is the one prefill forwards give."""
-    from finsieve.engine.model_runner import ModelRunner
+    from engine.model_runner import ModelRunner
 
     questions = ["What is a bond?", "Explain what a stock split does to a share's price.",
                  "Why do banks pay interest on savings?"]
@@ -405,7 +405,7 @@ def test_each_step_reports_the_rows_it_feeds(engine):
     """finsieve_engine_step_rows: a step feeds its prompt tokens and one row a decode row, so
     an answer cut by max_tokens takes one step a token, fed its prompt and every token but
     its last (run-ahead stops before the token that ends it)."""
-    from finsieve.engine.events import STEP_ROWS
+    from engine.events import STEP_ROWS
 
     def count_and_sum() -> tuple[float, float]:
         values = {s.name: s.value for s in STEP_ROWS.collect()[0].samples}
@@ -426,7 +426,7 @@ def test_the_loop_splits_its_host_work_into_launching_and_acting_on_tokens(engin
     """finsieve_engine_loop_seconds: `tokens` is the time spent acting on a step's tokens
     (here a guard slowed by 2 ms a token), `launch` the time spent launching (on the CPU
     the forward), both inside `host`."""
-    from finsieve.engine.events import LOOP_SECONDS
+    from engine.events import LOOP_SECONDS
 
     def parts() -> dict[str, float]:
         return {s.labels["part"]: s.value for s in LOOP_SECONDS.collect()[0].samples
@@ -473,8 +473,8 @@ def test_an_exception_in_one_sequence_fails_that_sequence_alone(engine, monkeypa
 
 
 def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint(default_model_dir):
-    from finsieve.engine.engine import EngineLimits
-    from finsieve.engine.loader import load_model
+    from engine.engine import EngineLimits
+    from engine.loader import load_model
 
     from conftest import MODEL_STATE
 
@@ -539,7 +539,7 @@ def _engine_thread(engine: LLMEngine):
 async def _generate(engine: LLMEngine, frames: list[bytes], wanted: set[str],
                     on_event=lambda event: None, half_close: bool = False) -> dict[str, list]:
     """Raw frames on the engine's Generate stream (a real gRPC server on loopback)."""
-    from finsieve.engine.server import EngineService, add_to_server
+    from engine.server import EngineService, add_to_server
     from finsieve.grpc_server import Service, start_server
     from finsieve.v1 import engine_pb2
 

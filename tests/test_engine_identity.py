@@ -21,10 +21,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.server import EngineService, GatewayGate, add_to_server
+from finsieve.app.client import Credentials, chat_request, wait_ready
 from finsieve.auth import GATEWAY_ROLE, AuthInterceptor, roles_for
-from finsieve.client import Credentials, chat_request, wait_ready
 from finsieve.config import ConfigError, Settings
-from finsieve.engine.server import EngineService, GatewayGate, add_to_server
 from finsieve.tls import check_transport, server_credentials
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
@@ -250,7 +250,7 @@ def test_health_needs_no_secret_and_no_allowed_name(mtls_engine, certs, peers):
 
 def test_an_mtls_engine_without_an_allow_list_refuses_to_start(tmp_path, certs):
     out = subprocess.run(
-        [sys.executable, "-m", "finsieve.cli", "serve", "--role", "engine", "--engine-port", "0",
+        [sys.executable, "-m", "finsieve.app.cli", "serve", "--role", "engine", "--engine-port", "0",
          "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
          "--tls-client-ca", str(certs / "ca.pem"), "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=120,

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from finsieve.client import chat_request
+from finsieve.app.client import chat_request
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 
 from conftest import ChatStream, free_port, kinds, pids_named, start_server, text_of, wait_gone
@@ -153,7 +153,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, defaul
 
 def test_chat_cli_json_prints_one_event_object_per_line(server):
     out = subprocess.run(
-        [sys.executable, "-m", "finsieve.cli", "chat", "--target", server.target, "--json",
+        [sys.executable, "-m", "finsieve.app.cli", "chat", "--target", server.target, "--json",
          "--state-dir", str(server.state), "--max-tokens", "6", "Say hello."],
         capture_output=True, text=True, timeout=120, check=True,
     )
@@ -167,7 +167,7 @@ def test_chat_cli_json_prints_one_event_object_per_line(server):
 def test_chat_cli_reports_an_unreachable_gateway(tmp_path):
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "finsieve.cli", "chat", "--target", f"127.0.0.1:{free_port()}",
+        [sys.executable, "-m", "finsieve.app.cli", "chat", "--target", f"127.0.0.1:{free_port()}",
          "hello"],
         capture_output=True, text=True, timeout=60,
         env={**os.environ, "FINSIEVE_API_KEY": "fsk_0123456789abcdef_" + "0" * 64},
@@ -190,13 +190,13 @@ def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_d
         import grpc as g
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from finsieve.client import READY_CHANNEL_OPTIONS, Credentials
+        from finsieve.app.client import READY_CHANNEL_OPTIONS, Credentials
 
         tls = Credentials(tls_ca=(certs / "ca.pem").read_bytes())
 
         async def engine_up() -> bool:
             # Reconnecting as often as it polls: the engine is seen once it serves, not after
-            # gRPC's reconnect backoff (see finsieve.client.wait_ready).
+            # gRPC's reconnect backoff (see finsieve.app.client.wait_ready).
             async with tls.channel(f"127.0.0.1:{engine_port}", READY_CHANNEL_OPTIONS) as ch:
                 for _ in range(600):
                     try:

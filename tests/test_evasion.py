@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from finsieve.client import chat_request
+from finsieve.app.client import chat_request
 from finsieve.policy.matcher import scan_text
 from finsieve.policy.normalize import Normalizer, fold, normalize
 from finsieve.policy.pack import Pack
@@ -130,7 +130,7 @@ INPUT_EVASIONS = {
 
 def rules_scan(lines: list[str], scope: str) -> list[dict]:
     text = "\n".join(lines)
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "rules", "scan", str(REPO / "rules"),
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "rules", "scan", str(REPO / "rules"),
                           "--scope", scope, "--seed", "3"],
                          input=text.encode(), capture_output=True, timeout=120)
     assert out.returncode == 0 and "Traceback" not in out.stderr.decode(), out.stderr.decode()
@@ -223,7 +223,7 @@ def serve(target: str, prompts: dict[str, str], max_tokens: int = 40) -> dict[st
 
 def unfiltered(engine, prompts: dict[str, str], max_tokens: int) -> dict[str, list]:
     """The in-process engine, no rules: every prompt decoded in one batch."""
-    from finsieve.engine.engine import CollectingSink
+    from engine.engine import CollectingSink
 
     sinks = {rid: CollectingSink() for rid in prompts}
     for rid, prompt in prompts.items():

@@ -31,10 +31,10 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from finsieve.client import chat_request
-from finsieve.gateway.frames import BadFrame, parse_client_message
+from finsieve.app.client import chat_request
 from finsieve.policy.reload import MAX_REASON_CHARS
 from finsieve.v1 import chat_pb2
+from gateway.frames import BadFrame, parse_client_message
 
 from conftest import TIGHT_ENV, ChatStream, RawStream, apply, canary_halts, reload
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finsieve.client import chat_request
+from finsieve.app.client import chat_request
 
 from conftest import ChatStream, kinds, start_server, text_of
 
@@ -29,7 +29,7 @@ def random_llama(tmp_path_factory) -> Path:
     # where the converted default model is not at hand (the GPU machine).
     tok_dir = os.environ.get("FINSIEVE_TEST_TOKENIZER")
     if tok_dir is None:
-        from finsieve.engine.loader import default_model_dir
+        from engine.loader import default_model_dir
 
         from conftest import MODEL_STATE
 
@@ -57,8 +57,8 @@ def _hf(path: Path, dtype: torch.dtype):
 def _engine(path: Path, dtype: torch.dtype, **limits):
     from transformers import AutoTokenizer
 
-    from finsieve.engine.engine import EngineLimits, LLMEngine
-    from finsieve.engine.loader import LoadedModel
+    from engine.engine import EngineLimits, LLMEngine
+    from engine.loader import LoadedModel
 
     hf = _hf(path, dtype)
     model = LoadedModel("random", path, hf, AutoTokenizer.from_pretrained(path), frozenset({2}), 2048)
@@ -75,7 +75,7 @@ def _attention_case(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, slo
     """q, k, v (as the forward hands them over: strided views of one wider row), a random
     cache of 6 slots of 1,024 positions, and the per-row path's result on the CPU in float32
     with the cache it wrote."""
-    from finsieve.engine.attention import decode_attention
+    from engine.attention import decode_attention
 
     slots_t, lengths_t = (torch.tensor(x, device="cuda") for x in (slots, lengths))
     cache = [torch.randn(6, kv_heads, 1024, dim, device="cuda", dtype=dtype) for _ in range(2)]
@@ -114,7 +114,7 @@ def test_triton_decode_attention_matches_sdpa():
     the new key as the per-row path does. As tuned, and with the rows' positions in one
     span a program, in three and in a span a tile (the new key's program then stores it
     and reads it back), each tile size."""
-    from finsieve.engine.attention import _triton_decode
+    from engine.attention import _triton_decode
 
     torch.manual_seed(0)
     slots, lengths = [3, 0, 5, 1, 2], [1, 255, 1024, 257, 700]
@@ -136,7 +136,7 @@ def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
     it in its slot, beside decode rows. Every new key (rotated) and value is stored first,
     at its row's position and nowhere else; the attention is the per-row path's, whether a
     chunk's rows attend alone or in groups (each reading a key tile once for all)."""
-    from finsieve.engine.attention import _triton_decode, chunk_groups
+    from engine.attention import _triton_decode, chunk_groups
 
     torch.manual_seed(0)
     # decode rows in slots 3 and 5; a fresh chunk of 10 in slot 0, one continuing at 200 in slot 1
@@ -159,7 +159,7 @@ def test_triton_decode_attention_with_rows_sharing_a_slot_matches_sdpa():
 def test_varlen_prefill_matches_sdpa_per_chunk():
     """One FlashAttention call for chunks of several slots, fresh and continued, attends like
     one SDPA per chunk (causal aligned to each chunk's last key, GQA)."""
-    from finsieve.engine.attention import VarlenKeys, prefill_attention, varlen_prefill
+    from engine.attention import VarlenKeys, prefill_attention, varlen_prefill
 
     torch.manual_seed(0)
     k_cache = torch.randn(6, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
@@ -174,7 +174,7 @@ def test_varlen_prefill_matches_sdpa_per_chunk():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compact_forward_matches_transformers_on_cuda(random_llama, dtype):
-    from finsieve.engine.model import CompactLM
+    from engine.model import CompactLM
 
     hf = _hf(random_llama, dtype)
     model = CompactLM(hf, n_slots=2, max_len=256)
@@ -193,7 +193,7 @@ def test_compact_forward_matches_transformers_on_cuda(random_llama, dtype):
 def test_one_row_through_the_gemv_kernels_matches_the_batched_layers(random_llama, dtype):
     """One row decodes through the GEMV kernels (norm, bias, RoPE, SiLU and residual
     fused); the same step through the layers every other batch size runs agrees."""
-    from finsieve.engine.model import CompactLM
+    from engine.model import CompactLM
 
     model = CompactLM(_hf(random_llama, dtype), n_slots=2, max_len=256)
     assert model.gemv
@@ -209,7 +209,7 @@ def test_the_split_k_gemv_sums_every_part_once_in_a_fixed_order():
     """x += w @ h with K cut into parts (some uneven): the last program of each row block
     adds the parts; twice the same bits, and the counters back at zero; 50 launches queued
     back to back on one counters buffer (no host sync between them) sum as one at a time."""
-    from finsieve.engine.gemv import Tile, add_matmul_split
+    from engine.gemv import Tile, add_matmul_split
 
     torch.manual_seed(0)
     n, k = 96, 64 * 37  # 37 tiles of 64: in 4 parts 10, 10, 10, 7; 14 asked: 13 (12 x 3, 1)
@@ -239,7 +239,7 @@ def test_the_greedy_kernel_picks_the_tokens_of_the_torch_sample(dtype):
     choices, on rows made to break it: ties inside a block and across blocks (the lowest id
     wins), +inf (twice), every logit -inf (-1, first choice 0), NaNs (never the token; the
     first NaN is torch.argmax's first choice), a width that is no multiple of the block."""
-    from finsieve.engine.sampler import GREEDY_BLOCK, sample, sample_greedy
+    from engine.sampler import GREEDY_BLOCK, sample, sample_greedy
 
     torch.manual_seed(0)
     vocab = 3 * GREEDY_BLOCK + 123
@@ -264,7 +264,7 @@ def test_the_decode_graphs_head_kernel_gathers_as_the_torch_ops():
     bucket's columns of a wider buffer, optimistic rows taking shuffled previous rows, one
     of them a -1 sample (fed as token 0), rows fed from the host between them, and a hidden
     size of more than one block and no multiple of it."""
-    from finsieve.engine.model_runner import embed_rows, optimistic_ids
+    from engine.model_runner import embed_rows, optimistic_ids
 
     torch.manual_seed(0)
     vocab, hidden, most, rows = 1000, 4096 + 77, 24, 19
@@ -290,7 +290,7 @@ def test_the_silu_mul_kernel_matches_the_torch_expression(dtype):
     input (copied first), and compiled for dynamic shapes as the layers call it."""
     import torch.nn.functional as F
 
-    from finsieve.engine.activation import BLOCK, silu_mul
+    from engine.activation import BLOCK, silu_mul
 
     torch.manual_seed(0)
     for rows, width in ((1, 18944), (288, 18944), (3, BLOCK + 5), (0, 64)):
@@ -334,7 +334,7 @@ def test_graph_replay_equals_the_eager_step(graphed, rows):
     assert "gemv-one-row" in graphed.mode
     model.prefill([(s, 0, list(range(200 + s, 230 + s))) for s in range(rows)], [False] * rows)
     ids, positions, slots = _inputs(rows, [30] * rows)
-    from finsieve.engine.sampler import sample
+    from engine.sampler import sample
 
     eager = model.decode(ids, positions, slots).clone()
     replayed, greedy = runner.graphs.run(_graph_inputs(ids, positions, slots), rows)
@@ -348,7 +348,7 @@ def test_a_graphed_step_feeds_optimistic_rows_and_samples_as_the_eager_runner(gr
     on the device (optimistic rows) and the graph samples greedily itself; the same tokens
     as the runner without graphs (the eager gather and sample), and a banned token is
     masked (its step's sample fed to the next by the runner, not the graph)."""
-    from finsieve.engine.model_runner import StepRow
+    from engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
     last = rows - 1
@@ -410,7 +410,7 @@ def _first_choices(logits: torch.Tensor, tokens: list[int], within: float = 0.05
 def test_a_step_of_decode_rows_and_prefill_chunks_samples_as_with_the_eager_prefill(graphed, monkeypatch):
     """Mixed steps off, through the runner's launch (one staging copy for both kinds of rows,
     the decode graph, then the prefill graph, one batched sample): the eager prefill's tokens."""
-    from finsieve.engine.model_runner import StepRow
+    from engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
     monkeypatch.setattr(runner, "mixed_tokens", 0)
@@ -442,7 +442,7 @@ def test_a_step_launches_without_waiting_for_the_device(graphed, monkeypatch, mi
     launch may wait for the device. Under torch's sync debug mode, which raises at any call
     that does: decode rows and a prefill chunk (a mixed step, or the prefill graph beside
     the decode graph), bans, sampled and filtered rows."""
-    from finsieve.engine.model_runner import StepRow
+    from engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
     if not mixed:
@@ -470,8 +470,8 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
     """Decode rows and a prefill chunk in one forward: its graph replays the eager mixed step
     bit for bit, and the runner (which then runs no prefill forward) samples the tokens that
     the decode step and the eager prefill give apart, within bf16's noise."""
-    from finsieve.engine.attention import chunk_groups
-    from finsieve.engine.model_runner import StepRow
+    from engine.attention import chunk_groups
+    from engine.model_runner import StepRow
 
     model, runner = graphed.model, graphed.runner
     graphs = runner.graphs
@@ -506,7 +506,7 @@ def test_a_mixed_step_replays_its_graph_exactly_and_samples_as_decode_and_prefil
 
 def test_a_failing_gemv_falls_back_to_the_batched_layers_only(random_llama, monkeypatch):
     """A GEMV the device refuses costs the one-row path, not the graphs or the attention kernel."""
-    from finsieve.engine import gemv
+    from engine import gemv
 
     def refused(*args, **kwargs):
         raise RuntimeError("refused by the test")
@@ -540,7 +540,7 @@ def test_seeded_request_samples_the_same_tokens_alone_and_in_a_batch_of_64(rando
                          seed=1234)
     probe.params.top_p = 0.95
     alone = engine.generate(probe)
-    from finsieve.engine.engine import CollectingSink
+    from engine.engine import CollectingSink
 
     sinks = [CollectingSink() for _ in range(64)]
     for i, sink in enumerate(sinks):
@@ -559,7 +559,7 @@ def test_zero_leak_on_cuda(graphed, tmp_path):
     reaches the client, on the CUDA path (graphs, batched mask, optimistic decoding)."""
     import json
 
-    from finsieve.engine.engine import NO_POLICY, CollectingSink
+    from engine.engine import NO_POLICY, CollectingSink
     from finsieve.policy.guard import compile_policy
     from finsieve.policy.masks import TokenTable
     from finsieve.policy.normalize import normalize

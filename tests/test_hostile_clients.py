@@ -14,11 +14,11 @@ import grpc
 import pytest
 import redis.asyncio as redis
 
-from finsieve.client import Credentials, chat_request
-from finsieve.gateway.audit import AuditLog, Filters
-from finsieve.gateway.audit_verify import verify
+from finsieve.app.client import Credentials, chat_request
 from finsieve.v1 import audit_pb2, audit_pb2_grpc, chat_pb2, chat_pb2_grpc
 from finsieve.valkey import EmbeddedValkey
+from gateway.audit import AuditLog, Filters
+from gateway.audit_verify import verify
 
 from conftest import ChatStream, RawStream, dev_key, free_port, kinds, start_server, text_of, wait_for
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from finsieve.client import chat_request
+from finsieve.app.client import chat_request
+from finsieve.app.serve import ENGINE_SWITCH_INTERVAL_S
 from finsieve.policy.guard import ACCEPT, Guard, Policy, Verdict
 from finsieve.policy.matcher import (
     HELD_CHARS,
@@ -33,7 +34,6 @@ from finsieve.policy.pack import Pack
 from finsieve.policy.reload import MAX_REASON_CHARS, PolicyHolder, RulesWatcher
 from finsieve.policy.schema import MAX_NESTED, MAX_REGEXES, MAX_SPAN, PackError
 from finsieve.policy.sources import PackLimits
-from finsieve.serve import ENGINE_SWITCH_INTERVAL_S
 from finsieve.v1 import chat_pb2
 
 from conftest import ChatStream, apply, canary_halts, kinds, wait_for

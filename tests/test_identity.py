@@ -18,9 +18,9 @@ import redis.asyncio as redis
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from finsieve.client import Credentials, chat_request
+from finsieve.app.client import Credentials, chat_request
+from finsieve.app.display import cell
 from finsieve.config import ConfigError, Settings
-from finsieve.display import cell
 from finsieve.secretfiles import read_secret
 from finsieve.tls import check_transport
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc, chat_pb2, engine_pb2
@@ -332,7 +332,7 @@ def test_limits_are_shared_by_two_gateways(tmp_path, shared_valkey):
         keys = {}
         for tenant in ("t-rate", "t-streams"):  # no admin key exists yet: the bootstrap path
             out = subprocess.run(
-                [sys.executable, "-m", "finsieve.cli", "keys", "create", "--direct", "--tenant",
+                [sys.executable, "-m", "finsieve.app.cli", "keys", "create", "--direct", "--tenant",
                  tenant, "--role", "app"], capture_output=True, text=True, timeout=60,
                 env={**os.environ, **env}, check=True)
             keys[tenant] = out.stdout.splitlines()[0]
@@ -450,7 +450,7 @@ def test_plaintext_beyond_loopback_and_half_tls_are_refused(settings, named):
 
 
 def test_serve_refuses_a_plaintext_public_bind(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "serve", "--host", "0.0.0.0",
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "serve", "--host", "0.0.0.0",
                           "--state-dir", str(tmp_path / "state")], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and "Traceback" not in out.stderr
@@ -460,7 +460,7 @@ def test_serve_refuses_a_plaintext_public_bind(tmp_path):
 
 def test_serve_refuses_a_directory_that_holds_no_model(tmp_path):
     """A model that cannot be loaded is one line naming the flag, not a stack trace."""
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "serve", "--role", "engine",
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "serve", "--role", "engine",
                           "--model", str(tmp_path), "--engine-port", "0",
                           "--state-dir", str(tmp_path / "state")], capture_output=True,
                          text=True, timeout=120)
@@ -546,7 +546,7 @@ def test_start_up_refuses_a_readable_audit_key(tmp_path):
     path = tmp_path / "audit.key"
     path.write_text("k" * 64)
     path.chmod(0o644)
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "serve", "--state-dir",
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "serve", "--state-dir",
                           str(tmp_path / "state")], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "FINSIEVE_AUDIT_KEY_FILE": str(path)})
     assert out.returncode == 1 and "FINSIEVE_AUDIT_KEY_FILE" in out.stderr
@@ -587,8 +587,8 @@ def test_redis_urls_are_masked_in_every_form(url, secret):
      "certificates[1].san: 'x' is mapped twice"),
 ])
 def test_limits_and_certificate_map_files_name_the_entry_at_fault(tmp_path, kind, text, message):
-    from finsieve.gateway.identity import CertMap
-    from finsieve.gateway.limits import load_limits_file
+    from gateway.identity import CertMap
+    from gateway.limits import load_limits_file
 
     path = tmp_path / f"{kind}.yaml"
     path.write_text(text)
@@ -610,7 +610,7 @@ def test_cells_are_neutralized_for_tables_and_spreadsheets():
 
 def test_admin_actions_and_officer_reads_are_audited_and_cli_output_is_neutralized(server):
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "finsieve.cli", *args, "--target",
+        return subprocess.run([sys.executable, "-m", "finsieve.app.cli", *args, "--target",
                                server.audit_target, "--state-dir", str(server.state)],
                               capture_output=True, text=True, timeout=60)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from finsieve.engine.tokens import token_byte_table
+from engine.tokens import token_byte_table
 from finsieve.policy.guard import Guard, Policy, Verdict
 from finsieve.policy.inputs import apply_input_rules
 from finsieve.policy.matcher import Match, StreamMatcher, scan_text

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_masks import PATTERNS, texts
 
-from finsieve.client import chat_request
-from finsieve.engine import engine as engine_module
+from engine import engine as engine_module
+from finsieve.app.client import chat_request
 from finsieve.policy import masks as masks_module
 from finsieve.policy.guard import Guard, Policy, Verdict
 from finsieve.policy.masks import MaskTables, TokenTable
@@ -52,7 +52,7 @@ def policy_of(table: TokenTable, patterns: list[str], work_limit: int,
 def bpe(default_model_dir: Path) -> tuple[list[bytes], TokenTable]:
     from transformers import AutoTokenizer
 
-    from finsieve.engine.tokens import token_byte_table
+    from engine.tokens import token_byte_table
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     special = {i for i, t in tok.added_tokens_decoder.items() if t.special}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from finsieve.engine.tokens import token_byte_table
+from engine.tokens import token_byte_table
 from finsieve.policy.masks import MaskTables, TokenTable
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.normalize import normalize

@@ -13,12 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from finsieve.client import chat_request
-from finsieve.engine.attention import VarlenKeys, chunk_groups
-from finsieve.engine.engine import EngineLimits, LLMEngine
-from finsieve.engine.hf_runner import HFRunner
-from finsieve.engine.loader import LoadedModel
-from finsieve.engine.sampler import SamplingRows
+from engine.attention import VarlenKeys, chunk_groups
+from engine.engine import EngineLimits, LLMEngine
+from engine.hf_runner import HFRunner
+from engine.loader import LoadedModel
+from engine.sampler import SamplingRows
+from finsieve.app.client import chat_request
 
 from conftest import text_of
 
@@ -114,7 +114,7 @@ def test_a_mixed_step_gives_the_logits_of_decode_rows_and_prefill_apart(engine):
 
 def test_the_runner_samples_a_mixed_step_as_decode_and_prefill_apart(engine, monkeypatch):
     """Through ModelRunner.launch: one forward (the prefill entry point is never called)."""
-    from finsieve.engine.model_runner import ModelRunner, StepRow
+    from engine.model_runner import ModelRunner, StepRow
 
     decode, chunks, sample = _mixed_step(engine)
     rows = [StepRow(slot, start, toks, sample=s)
@@ -134,7 +134,7 @@ def test_a_ban_past_the_models_vocabulary_leaves_the_other_rows_alone(engine):
     """Bans the tokenizer can name but the model cannot produce (ids >= its vocab size)
     change nothing: not the next row's token (a flat index past row 0 is row 1's), and
     the last row's do not fail the step."""
-    from finsieve.engine.model_runner import StepRow
+    from engine.model_runner import StepRow
 
     prompts = [engine.tokenizer(t).input_ids for t in ("The bank said", "Interest rates are")]
     free = engine.runner.launch([StepRow(s, 0, ids) for s, ids in enumerate(prompts)]).tokens()
@@ -152,7 +152,7 @@ def test_silu_mul_on_the_cpu_is_the_torch_expression_and_compiles_without_a_brea
     values at another row count."""
     import torch.nn.functional as F
 
-    from finsieve.engine.activation import silu_mul
+    from engine.activation import silu_mul
 
     x = torch.randn(5, 2 * 96, dtype=torch.bfloat16)
     gate, up = x.chunk(2, -1)
@@ -217,8 +217,8 @@ def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(engine,
     """The fixed-shape inputs the CUDA graphs prefill from (a bucket's tokens, keys and
     chunks, padding in a dummy chunk of the scratch slot) give the logits and the cache of
     the eager prefill, and write nothing outside the chunks' slots but the scratch slot."""
-    from finsieve.engine import model as model_module
-    from finsieve.engine.model_runner import PrefillGraphs
+    from engine import model as model_module
+    from engine.model_runner import PrefillGraphs
 
     model = engine.model
     monkeypatch.setattr(model_module, "varlen_prefill", _varlen_reference)
@@ -246,7 +246,7 @@ def test_a_step_takes_the_smallest_prefill_bucket_that_holds_it(engine):
     """Tokens exactly a bucket, a chunk continuing at the end of its slot, a chunk for every
     slot; eager when no bucket can: more tokens than the largest, more cached keys than a
     slot holds, more chunks than the largest takes."""
-    from finsieve.engine.model_runner import PrefillGraphs
+    from engine.model_runner import PrefillGraphs
 
     graphs = PrefillGraphs(engine.model, 256)  # buckets 64, 128, 256; 8 slots: 9 chunks at most
     end = engine.model.cache.max_len
@@ -274,7 +274,7 @@ def tiny_gpt2(tmp_path_factory, engine):
 
 
 def test_other_architectures_fall_back_to_transformers_forward(tiny_gpt2):
-    from finsieve.engine.loader import load_model
+    from engine.loader import load_model
 
     cpu = torch.device("cpu")
     model: LoadedModel = load_model(str(tiny_gpt2), tiny_gpt2, cpu)
@@ -288,7 +288,7 @@ def test_other_architectures_fall_back_to_transformers_forward(tiny_gpt2):
 def test_health_is_open_and_reflection_needs_a_key(server):
     import grpc
 
-    from finsieve.client import Credentials
+    from finsieve.app.client import Credentials
 
     async def go(key: str):
         async with Credentials(key).channel(server.target) as ch:
@@ -321,8 +321,8 @@ def test_a_qwen2_directory_runs_on_the_compact_forward(tmp_path, engine):
     """Qwen2 differs from Llama by its q/k/v biases; greedy tokens must match transformers."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from finsieve.engine.loader import load_model
-    from finsieve.engine.model import CompactLM
+    from engine.loader import load_model
+    from engine.model import CompactLM
 
     torch.manual_seed(1)
     config = Qwen2Config(vocab_size=len(engine.tokenizer), hidden_size=64, intermediate_size=128,
@@ -349,8 +349,8 @@ def test_a_tokenizer_with_more_tokens_than_the_embedding_is_refused_at_load(tmp_
     device-side assert that stops the engine): the model directory is refused, by name."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from engine.loader import load_model
     from finsieve.config import ModelLoadError
-    from finsieve.engine.loader import load_model
 
     config = LlamaConfig(vocab_size=len(engine.tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
@@ -371,7 +371,7 @@ def _rows(n: int, **kw) -> SamplingRows:
 
 
 def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_token():
-    from finsieve.engine.sampler import sample
+    from engine.sampler import sample
 
     torch.manual_seed(3)
     logits = torch.randn(500).expand(300, 500)

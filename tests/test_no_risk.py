@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from finsieve.engine.engine import NO_POLICY
+from engine.engine import NO_POLICY
 from finsieve.policy.guard import Policy, compile_policy
 from finsieve.policy.masks import TokenTable
 from finsieve.policy.matcher import StreamMatcher, scan_text

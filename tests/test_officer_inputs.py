@@ -15,9 +15,9 @@ import grpc
 import pytest
 from pan_scan import card_numbers, leaks
 
-from finsieve.client import Credentials
-from finsieve.gateway.sensitive import value_hash
+from finsieve.app.client import Credentials
 from finsieve.v1 import audit_pb2, audit_pb2_grpc
+from gateway.sensitive import value_hash
 
 from conftest import Server, free_port, start_server
 
@@ -33,7 +33,7 @@ def officers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def _cli(server: Server, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args, "--target",
+    return subprocess.run([sys.executable, "-m", "finsieve.app.cli", "audit", *args, "--target",
                            server.audit_target, "--state-dir", str(server.state)],
                           capture_output=True, text=True, timeout=60)
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from pan_scan import RUN, card_numbers, stored_texts
 
-from finsieve.client import chat_request
-from finsieve.gateway.sensitive import value_hash
+from finsieve.app.client import chat_request
 from finsieve.policy.inputs import apply_input_rules
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.pack import Pack
+from gateway.sensitive import value_hash
 
 from conftest import ChatStream, Server, text_of, wait_cached
 
@@ -118,13 +118,13 @@ SPELLED = [
 
 
 def _stored(text: str) -> str:
-    from finsieve.gateway.sensitive import Sensitive
+    from gateway.sensitive import Sensitive
     return Sensitive(DEFAULT, b"k").text(text, set())
 
 
 @pytest.mark.parametrize("card", NATIVE + SPELLED)
 def test_every_spelling_a_reader_takes_for_one_number_is_redacted_in_input_output_and_store(card):
-    from finsieve.engine.preparer import Message
+    from engine.preparer import Message
     for i, context in enumerate(("Number: {}. Thanks", "1. {}, ok", "号码{}已登记")):
         text = context.format(card)
         # The Markdown stars around the number are not part of it; one group of digits
@@ -162,8 +162,8 @@ def test_a_digit_of_any_script_is_no_letter_of_it():
 
 
 def test_a_number_split_over_two_messages_is_redacted_and_masked_in_both():
-    from finsieve.engine.preparer import Message
-    from finsieve.gateway.sensitive import Sensitive
+    from engine.preparer import Message
+    from gateway.sensitive import Sensitive
 
     turns = [f"My card number is {SPLIT[0]}", f"{SPLIT[1]}. Repeat it.", "Thanks, 1234"]
     verdict = apply_input_rules(DEFAULT.input, [Message("user", t) for t in turns])
@@ -197,7 +197,7 @@ def _requests():
 
 
 def _cli(server: Server, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", *args, "--target",
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "audit", *args, "--target",
                           server.audit_target, "--state-dir", str(server.state)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from finsieve.engine import preparer as preparer_module
-from finsieve.engine.preparer import Message, Preparer
+from engine import preparer as preparer_module
+from engine.preparer import Message, Preparer
 from finsieve.errors import RequestError
 from finsieve.policy.matcher import REGEX_TIMEOUTS
 from finsieve.policy.pack import Pack
@@ -344,7 +344,7 @@ def test_workers_do_not_outlive_a_killed_engine(tmp_path: Path, default_model_di
     script.write_text(
         "import os, sys, time\n"
         "from transformers import AutoTokenizer\n"
-        "from finsieve.engine.preparer import Preparer\n"
+        "from engine.preparer import Preparer\n"
         "if __name__ == '__main__':\n"
         f"    p = Preparer(AutoTokenizer.from_pretrained({str(default_model_dir)!r}), 512, 2)\n"
         "    p.wait_ready()\n"

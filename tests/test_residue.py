@@ -16,11 +16,11 @@ import unicodedata
 import pytest
 import redis.asyncio as redis
 
-from finsieve.client import chat_request
-from finsieve.display import cell, write_csv
-from finsieve.gateway.audit import TIME, AuditLog, index_key, index_member
-from finsieve.gateway.audit_verify import verify
+from finsieve.app.client import chat_request
+from finsieve.app.display import cell, write_csv
 from finsieve.valkey import redact
+from gateway.audit import TIME, AuditLog, index_key, index_member
+from gateway.audit_verify import verify
 
 AUDIT_KEY = b"residue-audit-key-of-at-least-32-bytes"
 
@@ -57,7 +57,7 @@ def test_a_redis_url_s_ssl_password_is_masked_in_the_cli_s_connect_error(tmp_pat
         (tmp_path / name).write_text("k" * 64)
         (tmp_path / name).chmod(0o600)
     url = "rediss://127.0.0.1:1/0?ssl_password=hunter2-the-passphrase"
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "keys", "create", "--direct",
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "keys", "create", "--direct",
                           "--tenant", "t", "--role", "admin", "--state-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "FINSIEVE_REDIS_URL": url})
@@ -116,7 +116,7 @@ def test_audit_query_csv_neutralizes_a_user_with_a_leading_space(server):
             s.send(req)
             await s.until_done("residue-csv")
     asyncio.run(go())
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "audit", "query", "--request-id",
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "audit", "query", "--request-id",
                           "residue-csv", "--format", "csv", "--target", server.audit_target,
                           "--state-dir", str(server.state)],
                          capture_output=True, text=True, timeout=60)
@@ -197,7 +197,7 @@ def test_a_repeat_sent_as_soon_as_the_answer_arrives_is_a_cache_hit(tmp_path, va
     arrived before both writes landed was a miss, and was with a Redis a few milliseconds
     away. Here Valkey itself holds the writes (CLIENT PAUSE WRITE, as a slow or distant
     Redis would) from before the answer ends until the repeat has been looked up."""
-    from finsieve.gateway.cache import cache_key
+    from gateway.cache import cache_key
 
     from conftest import ChatStream, free_port, start_server
 
@@ -211,7 +211,7 @@ def test_a_repeat_sent_as_soon_as_the_answer_arrives_is_a_cache_hit(tmp_path, va
                        "--metrics-port", str(metrics), env=env)
     metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     try:
-        made = subprocess.run([sys.executable, "-m", "finsieve.cli", "keys", "create", "--direct",
+        made = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "keys", "create", "--direct",
                                "--tenant", "bank-r", "--role", "app", "--state-dir", str(srv.state)],
                               capture_output=True, text=True, timeout=60,
                               env={**__import__("os").environ, **env})
@@ -296,7 +296,7 @@ def two_words(engine, tmp_path_factory):
 @pytest.mark.parametrize("bound", [0, 3])
 def test_a_model_steered_back_to_a_blocked_phrase_halts_at_the_rollback_bound(
         engine, two_words, bound):
-    from finsieve.engine.engine import NO_POLICY
+    from engine.engine import NO_POLICY
     from finsieve.v1 import chat_pb2
 
     engine.policy, engine.max_rollbacks = (lambda: two_words), bound

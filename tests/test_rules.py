@@ -590,7 +590,7 @@ def test_policy_version_is_a_hash_of_the_compiled_rules(tmp_path):
 
 def test_rules_check_cli(tmp_path):
     def run(d: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "finsieve.cli", "rules", "check", str(d)],
+        return subprocess.run([sys.executable, "-m", "finsieve.app.cli", "rules", "check", str(d)],
                               capture_output=True, text=True, timeout=60)
 
     ok = run(REPO / "rules")
@@ -606,7 +606,7 @@ def test_rules_check_cli(tmp_path):
 
 def test_rules_scan_cli_finds_split_patterns():
     text = "Buy now: guaranteed  RETURNS!\nCard: 4111 1111 1111 1111. 稳赚不赔"
-    out = subprocess.run([sys.executable, "-m", "finsieve.cli", "rules", "scan", str(REPO / "rules"),
+    out = subprocess.run([sys.executable, "-m", "finsieve.app.cli", "rules", "scan", str(REPO / "rules"),
                           "--seed", "7"], input=text.encode(), capture_output=True, timeout=60)
     import json
 

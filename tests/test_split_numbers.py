@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from pan_scan import card_numbers
 
+from engine.preparer import Message
+from finsieve.app.client import chat_request
 from finsieve.auth import Principal
-from finsieve.client import chat_request
-from finsieve.engine.preparer import Message
-from finsieve.gateway.sensitive import Sensitive, value_hash
-from finsieve.gateway.trace import Trace
 from finsieve.policy.inputs import apply_input_rules, conversation_matches
 from finsieve.policy.pack import Pack
+from gateway.sensitive import Sensitive, value_hash
+from gateway.trace import Trace
 
 DEFAULT = Pack.load(Path(__file__).resolve().parents[1] / "rules")
 KEY = b"k"

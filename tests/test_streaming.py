@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from finsieve.client import chat_request
+from finsieve.app.client import chat_request
 from finsieve.v1 import chat_pb2
 
 from conftest import ChatStream, kinds, text_of
@@ -38,7 +38,7 @@ def test_streamed_deltas_equal_the_non_streamed_decode(server, engine):
 
 
 def test_same_seed_same_answer_other_seed_other_answer(engine):
-    from finsieve.engine.engine import CollectingSink
+    from engine.engine import CollectingSink
 
     def answers(*seeds: int) -> list[str]:
         """Decoded together, in one batch (a step costs the same for one row as for eight)."""

@@ -27,7 +27,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from finsieve import grpc_server, supervise
-from finsieve.client import Credentials
+from finsieve.app.client import Credentials
 from finsieve.config import Settings
 from finsieve.v1 import audit_pb2, audit_pb2_grpc
 
@@ -177,8 +177,8 @@ def test_a_full_admin_backlog_holds_its_writer_back_and_loses_nothing(valkey):
     once Valkey takes writes, every record lands in order and health is SERVING again."""
     import redis.asyncio as aredis
 
-    from finsieve.gateway.access import AdminTrail
-    from finsieve.gateway.audit import AuditLog
+    from gateway.access import AdminTrail
+    from gateway.audit import AuditLog
 
     async def run() -> tuple[list[bool], list[str], bool]:
         client = aredis.Redis(port=valkey.port, password=valkey.password)
@@ -329,7 +329,7 @@ def test_an_officer_call_is_unavailable_while_the_trail_refuses_writes(srv):
 def test_an_unexpected_error_is_internal_with_an_id_the_log_carries(srv):
     """A real fault no handler expects: an index key of the trail holding a string (WRONGTYPE
     from Valkey). The officer gets INTERNAL and an id, no exception text; the log has both."""
-    from finsieve.gateway.audit import index_key
+    from gateway.audit import index_key
 
     r = valkey_of(srv)
     key = index_key("rule_id", "h3-corrupted")

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
-from finsieve.client import wait_ready
-from finsieve.gateway.audit import AuditLog, derive_key, id_hash, index_key, parse, record_key
-from finsieve.gateway.cache import ResponseCache, cache_key
-from finsieve.gateway.keys import KeyStore
+from finsieve.app.client import wait_ready
 from finsieve.secretfiles import write_private
 from finsieve.v1 import chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey
+from gateway.audit import AuditLog, derive_key, id_hash, index_key, parse, record_key
+from gateway.cache import ResponseCache, cache_key
+from gateway.keys import KeyStore
 
 from conftest import ChatStream, Server, free_port, run_requests, start_server, state_of, tagged, text_of
 
@@ -121,7 +121,7 @@ def cached(shared, events: list, question: str) -> str:
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     """An officer's command, with the key the module issued (found beside the target)."""
     target = args[args.index("--target") + 1]
-    return subprocess.run([sys.executable, "-m", "finsieve.cli", *args, "--state-dir",
+    return subprocess.run([sys.executable, "-m", "finsieve.app.cli", *args, "--state-dir",
                            str(state_of(target))], capture_output=True, text=True, timeout=60)
 
 

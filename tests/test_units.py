@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.tokens import IncrementalText, find_stop, stop_holdback
 from finsieve.config import ConfigError, Settings
-from finsieve.engine.tokens import IncrementalText, find_stop, stop_holdback
 
 
 def test_incremental_text_keeps_half_characters_pending():
@@ -138,7 +138,7 @@ def _finished(rid: str):
 
 
 def test_waiting_deltas_of_a_request_go_out_as_one_and_order_is_kept():
-    from finsieve.gateway.outbox import Outbox
+    from gateway.outbox import Outbox
 
     held = _delta("a", "x")
     events = [held, _delta("a", "y"), _delta("b", "1"), _delta("a", "z"), _finished("a"),
@@ -154,7 +154,7 @@ def test_waiting_deltas_of_a_request_go_out_as_one_and_order_is_kept():
 
 
 def test_outbox_is_bounded_deltas_merge_and_other_events_overflow_it():
-    from finsieve.gateway.outbox import Outbox
+    from gateway.outbox import Outbox
 
     out = Outbox(max_events=3)
     for i in range(10_000):  # a long answer to a client that does not read: one event
@@ -172,7 +172,9 @@ def test_outbox_is_bounded_deltas_merge_and_other_events_overflow_it():
 def test_what_validation_accepts_fits_the_frame_limit_and_the_engine_link():
     """By construction: a valid request at every limit is within largest_valid_request, and
     its forwarded copy (a longer internal id) within the gateway-engine link's limit."""
-    from finsieve.gateway.validation import (
+    from finsieve.grpc_server import ENGINE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
+    from finsieve.v1 import chat_pb2
+    from gateway.validation import (
         MAX_METADATA_CHARS,
         MAX_METADATA_ENTRIES,
         MAX_REQUEST_ID,
@@ -182,8 +184,6 @@ def test_what_validation_accepts_fits_the_frame_limit_and_the_engine_link():
         largest_valid_request,
         validate,
     )
-    from finsieve.grpc_server import ENGINE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
-    from finsieve.v1 import chat_pb2
 
     for max_input, max_messages in [(262144, 256), (16384, 16), (7_000_000, 4096)]:
         wide = "😀"
@@ -211,7 +211,7 @@ def test_the_doorbell_wakes_its_loop_once_for_the_steps_of_every_stream_and_keep
     stream's steps in order, also when handed over from another thread."""
     import threading
 
-    from finsieve.engine.server import Doorbell
+    from engine.server import Doorbell
     from finsieve.v1 import engine_pb2
 
     def step(n: int) -> engine_pb2.EngineStep:

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from finsieve.client import Credentials, resolve_credentials, transport_credentials
+from finsieve.app.client import Credentials, resolve_credentials, transport_credentials
 
 OFFICERS_TARGET = "127.0.0.1:50053"
 Call = Callable[[Any], Awaitable[int]]

@@ -19,21 +19,9 @@ import redis.asyncio as redis
 import structlog
 
 from finsieve import secretfiles, supervise, tls
+from finsieve.app.client import CredentialError, read_key_file
 from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, Unauthenticated, roles_for
-from finsieve.client import CredentialError, read_key_file
 from finsieve.config import Settings
-from finsieve.gateway import officers
-from finsieve.gateway.access import FLUSH_AT_SHUTDOWN_S, AdminTrail
-from finsieve.gateway.admin_service import key_event
-from finsieve.gateway.anchors import Anchoring, AnchorWriter
-from finsieve.gateway.audit import AuditLog
-from finsieve.gateway.cache import ResponseCache
-from finsieve.gateway.engines import EngineCredentials, EnginePool
-from finsieve.gateway.identity import ClientAuthenticator
-from finsieve.gateway.keys import KeyStore
-from finsieve.gateway.limits import tenant_limiter
-from finsieve.gateway.rules import GatewayPolicy, compile_gateway_policy
-from finsieve.gateway.server import Bounds, GatewayService
 from finsieve.grpc_server import (
     ENGINE_MESSAGE_BYTES,
     RunningServer,
@@ -45,6 +33,18 @@ from finsieve.grpc_server import (
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
 from finsieve.v1 import chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey, connect, redact
+from gateway import officers
+from gateway.access import FLUSH_AT_SHUTDOWN_S, AdminTrail
+from gateway.admin_service import key_event
+from gateway.anchors import Anchoring, AnchorWriter
+from gateway.audit import AuditLog
+from gateway.cache import ResponseCache
+from gateway.engines import EngineCredentials, EnginePool
+from gateway.identity import ClientAuthenticator
+from gateway.keys import KeyStore
+from gateway.limits import tenant_limiter
+from gateway.rules import GatewayPolicy, compile_gateway_policy
+from gateway.server import Bounds, GatewayService
 
 if TYPE_CHECKING:
     from finsieve.policy.guard import Policy
@@ -172,9 +172,9 @@ async def _until(*events: asyncio.Event) -> None:
 async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack,
                         servers: list[RunningServer], failed: asyncio.Event) -> str:
     # Imported here: a gateway-only process never loads torch.
-    from finsieve.engine.engine import EngineLimits, LLMEngine
-    from finsieve.engine.loader import load_model, resolve_device
-    from finsieve.engine.server import EngineService, GatewayGate, add_to_server
+    from engine.engine import EngineLimits, LLMEngine
+    from engine.loader import load_model, resolve_device
+    from engine.server import EngineService, GatewayGate, add_to_server
 
     device = resolve_device(settings.device)
     model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
@@ -332,8 +332,8 @@ async def _start_gateway(
     audit: AuditLog, keys: KeyStore, client: redis.Redis,
     rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
-    from finsieve.gateway.frames import add_gateway_to_server
-    from finsieve.gateway.validation import Limits
+    from gateway.frames import add_gateway_to_server
+    from gateway.validation import Limits
 
     auth = ClientAuthenticator.from_settings(settings, keys)
     limiter = tenant_limiter(settings, client)

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from finsieve.cli_rpc import OFFICERS_TARGET, add_credential_args, call, duration_s
+from finsieve.app.cli_rpc import OFFICERS_TARGET, add_credential_args, call, duration_s
+from finsieve.app.display import cell, write_csv
 from finsieve.config import ConfigError, Settings
-from finsieve.display import cell, write_csv
 from finsieve.v1 import admin_pb2, admin_pb2_grpc
 
 KEY_COLUMNS = ("key_id", "tenant", "role", "name", "all_tenants", "created", "expires", "revoked")
@@ -92,11 +92,11 @@ async def _create_direct(args: argparse.Namespace) -> int:
     """The first admin key of a deployment on an external Redis, where no admin key exists
     yet to call the AdminService with. Needs what a gateway needs: the Redis URL, the keys
     secret and the audit key (existing files: this never makes new ones)."""
-    from finsieve.gateway.admin_service import key_event
-    from finsieve.gateway.audit import AuditLog
-    from finsieve.gateway.keys import KeyStore, new_key_problem
     from finsieve.secretfiles import read_secret
     from finsieve.valkey import connect
+    from gateway.admin_service import key_event
+    from gateway.audit import AuditLog
+    from gateway.keys import KeyStore, new_key_problem
 
     settings = Settings.load({"state_dir": args.state_dir})
     if not settings.redis_url:

@@ -15,12 +15,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from finsieve.cli_keys import add_commands as add_key_commands
-from finsieve.cli_keys import print_table
-from finsieve.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
-from finsieve.client import CredentialError
+from finsieve.app.cli_keys import add_commands as add_key_commands
+from finsieve.app.cli_keys import print_table
+from finsieve.app.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
+from finsieve.app.client import CredentialError
+from finsieve.app.display import write_csv
 from finsieve.config import ConfigError, ModelLoadError, Settings, settings_table
-from finsieve.display import write_csv
 from finsieve.valkey import RedisUnavailable
 
 
@@ -171,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from finsieve import logs
-    from finsieve.serve import EngineStopped, serve
+    from finsieve.app.serve import EngineStopped, serve
 
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items() if k in Settings.__dataclass_fields__
@@ -200,7 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
-    from finsieve.engine.loader import default_model_dir
+    from engine.loader import default_model_dir
 
     settings = Settings.load({"state_dir": args.state_dir})
     try:
@@ -258,7 +258,7 @@ def _rules_scan(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from finsieve.client import chat_request, stream_one, wait_ready
+    from finsieve.app.client import chat_request, stream_one, wait_ready
 
     request = chat_request(
         "cli-1", args.question, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -328,7 +328,7 @@ def _when(text: str) -> int:
 
 def _seq(text: str) -> int:
     """A record seq or audit id: 1 to 2**53 - 1 (what the service accepts)."""
-    from finsieve.gateway.audit_service import MAX_SEQ
+    from gateway.audit_service import MAX_SEQ
 
     if not (text.isascii() and text.isdigit() and 0 < int(text[:20]) <= MAX_SEQ):
         raise argparse.ArgumentTypeError(f"not an audit id or record seq (1 to {MAX_SEQ})")
@@ -401,8 +401,8 @@ def _audit_show(args: argparse.Namespace) -> int:
 
 
 def _audit_verify(args: argparse.Namespace) -> int:
-    from finsieve.gateway.audit_service import MAX_ANCHORS
     from finsieve.v1 import audit_pb2
+    from gateway.audit_service import MAX_ANCHORS
 
     anchors = []
     for path in args.anchors:

@@ -1,0 +1,1 @@
+"""The application: the `finsieve` command, its server assembly and the Python client."""
