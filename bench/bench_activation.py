@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gpu import _graph_ms
 from bench_one_row import build
 
 from engine.activation import silu_mul
 from engine.attention import chunk_groups
+from engine.cuda_graphs import call_ms
 from engine.model import CompactLM, _rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def main() -> None:
         for variant, attn_out in variants.items():
             model._decode_out = attn_out
             for label, call in calls.items():
-                times[variant, label].append(_graph_ms(call, reps=4))
+                times[variant, label].append(call_ms(call, reps=4))
     model._decode_out = variants["kernel"]
     result: dict = {"steps": {}, "alone": {}}
     print(f"{'step (ms, CUDA graph)':>24} | {'compiled':>8} | {'kernel':>8} | change")
@@ -93,7 +93,7 @@ def main() -> None:
     print(f"{'activation alone (us)':>24} | {'compiled':>8} | {'kernel':>8} | kernel TB/s")
     for rows in (128, 256, 288, 384):
         x = torch.randn(rows, 2 * width, device="cuda", dtype=model.dtype)
-        a, b = (1000 * _graph_ms(lambda f=f, x=x: f(x)) for f in (fused, silu_mul))
+        a, b = (1000 * call_ms(lambda f=f, x=x: f(x)) for f in (fused, silu_mul))
         rate = 3 * x.numel() // 2 * x.element_size() / b / 1e6
         result["alone"][rows] = {"compiled_us": a, "kernel_us": b, "kernel_tb_s": rate}
         print(f"{f'{rows} rows':>24} | {a:8.1f} | {b:8.1f} | {rate:.2f}", flush=True)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gpu import _graph_ms
+
+from engine.cuda_graphs import call_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS, KV_HEADS, DIM, MAX_LEN = 28, 4, 128, 1024
@@ -139,7 +140,7 @@ def run(new, old, out: Path, tiles: bool, chunk_sweep: list[int]) -> None:
             call = functools.partial(launch, module, q, k, v, kc, vc, slots, lengths, rope, **{**kw, **extra})
             try:
                 err = float((call().float() - ref).norm() / ref.norm())
-                us = 1000 * _graph_ms(call)
+                us = 1000 * call_ms(call)
             except Exception as e:  # a tile the compiler refuses
                 print(f"  {label} {name}: {e!r:.160}", flush=True)
                 continue

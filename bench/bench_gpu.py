@@ -1130,6 +1130,7 @@ def phase_profile(args) -> dict:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.cuda_graphs import call_ms
     from engine.engine import EngineLimits, LLMEngine
     from engine.loader import load_model
 
@@ -1169,7 +1170,7 @@ def phase_profile(args) -> dict:
     for rows in (1, 64):
         for name, w in weights.items():
             x = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
-            ms = _graph_ms(lambda x=x, w=w: F.linear(x, w))
+            ms = call_ms(lambda x=x, w=w: F.linear(x, w))
             rate = w.numel() * w.element_size() / (ms / 1000)
             out["matmuls"][f"{name}@{rows}"] = {"ms": ms, "bytes_per_s": rate,
                                                 "of_copy": rate / bandwidth if bandwidth else None}
@@ -1231,11 +1232,13 @@ def _one_row_paths(m) -> dict:
     compiled layers with cuBLAS (what every other batch size runs)."""
     import torch
 
+    from engine.cuda_graphs import call_ms
+
     ids, positions, slots = (torch.tensor([v], device="cuda") for v in (1000, 500, 0))
     out = {}
     for label, on in (("gemv", True), ("compiled", False)):
         m.gemv, was = on, m.gemv
-        out[label] = _graph_ms(lambda: m.decode(ids, positions, slots), reps=4)
+        out[label] = call_ms(lambda: m.decode(ids, positions, slots), calls=4)
         m.gemv = was
         print(f"  one row through {label:>8}: {out[label]:.3f} ms/step", flush=True)
     return out
@@ -1247,6 +1250,7 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
     import torch
 
     from engine import gemv
+    from engine.cuda_graphs import call_ms
 
     layer, hd = m.layers[0], m.head_dim
     hidden = layer.wo.shape[0]
@@ -1276,7 +1280,7 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
                              {**gemv.TILES, name: tile}):
                 continue
             try:
-                us = 1000 * _graph_ms(functools.partial(call, tile))
+                us = 1000 * call_ms(functools.partial(call, tile))
             except Exception as e:  # a tile the compiler refuses: skip it
                 print(f"  gemv {name} {tile}: {e!r:.120}", flush=True)
                 continue
@@ -1295,30 +1299,6 @@ def _gemv_tiles(m, bandwidth: float | None) -> dict:
     return results
 
 
-def _graph_ms(fn, reps: int = 28) -> float:
-    """Device time of one call of fn, from a CUDA graph of `reps` calls (no launch overhead)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 10 / reps
-
-
 def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
     """The decode attention kernel's choices, timed over one layer's cache (lengths 128-768)
     at 1, 64 and 128 rows: as launched, and by tile (positions an iteration), pipeline
@@ -1328,6 +1308,7 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
     import torch
 
     from engine import attention
+    from engine.cuda_graphs import call_ms
 
     cache_k, cache_v = m.cache.k[0], m.cache.v[0]
     dev = cache_k.device
@@ -1340,7 +1321,7 @@ def _attention_configs(m, bandwidth: float | None, tiles: bool) -> dict:
         timings = []
         for config in configs:
             try:
-                us = 1000 * _graph_ms(functools.partial(call, **config))
+                us = 1000 * call_ms(functools.partial(call, **config))
             except Exception as e:  # a tile the compiler refuses: skip it
                 print(f"  attention {label} {config}: {e!r:.120}", flush=True)
                 continue

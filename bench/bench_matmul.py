@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_gpu import _graph_ms
+
+from engine.cuda_graphs import call_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 WEIGHTS = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
@@ -44,7 +45,7 @@ def main() -> None:
         us = {}
         for name, w in weights.items():
             x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            us[name] = 1000 * _graph_ms(lambda x=x, w=w: F.linear(x, w))
+            us[name] = 1000 * call_ms(lambda x=x, w=w: F.linear(x, w))
         total = sum(us.values())
         first = first or (m, total)
         marginal = (total - first[1]) / (m - first[0]) if m > first[0] else float("nan")

@@ -40,8 +40,9 @@ import torch
 from bench_gpu import phase_device, random_model, step_bytes
 
 from engine import sampler
+from engine.cuda_graphs import capture, replay_ms
 from engine.model import CompactLM
-from engine.model_runner import ModelRunner, StepRow, _captured, embed_rows, optimistic_ids
+from engine.model_runner import ModelRunner, StepRow, embed_rows, optimistic_ids
 from engine.sampler import sample, sample_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,20 +80,6 @@ def build(max_len: int = 1024, n_slots: int = 2) -> tuple[CompactLM, int]:
     return model, weights
 
 
-def replay_ms(replay, n: int = 40) -> float:
-    """ms of one call of `replay` (a graph's replay: it cannot be captured in another),
-    from n calls queued back to back."""
-    for _ in range(3):
-        replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
-
-
 def runner_loop(runner: ModelRunner, bans: int = 0, steps: int = 300) -> tuple[float, list[int]]:
     """ms a step of the runner's loop as the engine drives it (one optimistic row, `bans`
     token ids banned: one sorted list, as the rules hand out), and the tokens."""
@@ -112,7 +99,7 @@ def runner_loop(runner: ModelRunner, bans: int = 0, steps: int = 300) -> tuple[f
 def measure(model: CompactLM, head, greedy) -> dict:
     """The three measures of one variant."""
     ids, positions, slots = (torch.tensor([v], device="cuda") for v in (1000, 500, 0))
-    forward = _captured(lambda: model.decode(ids, positions, slots), None)[0]
+    forward = capture(lambda: model.decode(ids, positions, slots), None)[0]
     runner = ModelRunner(model, torch.device("cuda"), graphs=False)
     runner.graphs = graphs = _graphs(model, head, greedy)
     inputs = torch.tensor([[1000], [500], [0], [1], [0]], device="cuda")  # optimistic
@@ -144,7 +131,7 @@ def greedy_us(rows: int) -> dict[str, float]:
         ways[f"{block}/{warps}"] = kernel
     expected = ways["torch ops"]()
     assert all(torch.equal(fn(), expected) for fn in ways.values())
-    return {way: 1000 * replay_ms(_captured(fn, None)[0].replay) for way, fn in ways.items()}
+    return {way: 1000 * replay_ms(capture(fn, None)[0].replay) for way, fn in ways.items()}
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .attention import VarlenKeys, chunk_groups, gdc_launch_dependents, gdc_wait, overlapped
+from .cuda_graphs import capture
 from .model import prefill_arrays
 from .sampler import BanIndex, DeviceParams, SamplingRows, sample, sample_greedy
 
@@ -123,7 +124,7 @@ class DecodeGraphs:
         for size, mixed in sorted(shapes, reverse=True):  # largest first: the smaller reuse its memory
             heads, groups = (self.heads[: self.head_rows(size)], self.groups[:, :size]) if mixed \
                 else (None, None)
-            graph, out = _captured(functools.partial(self._step, size, heads, groups), pool)
+            graph, out = capture(functools.partial(self._step, size, heads, groups), pool)
             pool = graph.pool()
             self._graphs[size, mixed] = (graph, out)
         torch.cuda.synchronize()
@@ -256,7 +257,7 @@ class PrefillGraphs:
         pool = None  # its own: the decode graph's logits are still to be sampled after a replay
         for t in reversed(self.buckets):  # largest first: the smaller reuse its memory
             inputs = torch.from_numpy(self._layout([], [], t)).to(self.model.device)  # padding alone
-            graph, out = _captured(functools.partial(self._forward, inputs, t), pool)
+            graph, out = capture(functools.partial(self._forward, inputs, t), pool)
             pool = graph.pool()
             self._graphs[t] = (graph, inputs, out)
         torch.cuda.synchronize()
@@ -504,21 +505,6 @@ class ModelRunner:
             return torch.ones(1, device=self.device).add_(1).item() == 2.0
         except Exception:  # any failure here means the device is gone
             return False
-
-
-def _captured(forward: Callable[[], Tensor], pool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-    """forward warmed up on a side stream (compiles, autotunes, JITs Triton), then captured
-    into a CUDA graph in `pool`; the graph and its output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
-    return graph, out
 
 
 def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
