@@ -36,7 +36,7 @@ from prompts import LONG_ANSWERS
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from test_enforcement import ZERO_LEAK  # noqa: E402  (the same prompts as the test suite)
+from support.zero_leak import ZERO_LEAK  # noqa: E402  (the same prompts as the test suite)
 
 
 class PolicyClock:

@@ -36,7 +36,7 @@ from finsieve.policy.pack import Pack
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from test_readings import Replaying  # noqa: E402  (the old path: the tests' oracle)
+from support.readings import Replaying  # noqa: E402  (the old path: the tests' oracle)
 
 WORDS = [b" We", b" offer", b" a", b" well", b"-known", b" fund", b" with", b" low", b" fees",
          b".", b" Returns", b" of", b" 4", b"%", b" are", b" possible", b",", b" not", b" certain"]
