@@ -10,7 +10,7 @@ STATE ?= .finsieve
 PORT ?= 50051
 QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
 
-.PHONY: setup run test test-slow test-gpu bench lint proto clean
+.PHONY: setup run test test-slow test-gpu bench lint docs proto clean
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
@@ -53,6 +53,11 @@ bench: setup
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+
+# docs/configuration.md is generated from Settings (tests/unit/test_configuration_docs.py checks it).
+docs: $(VENV)/.installed
+	$(BIN)/python -m finsieve.app.settings_doc > docs/configuration.md.tmp
+	mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
 	rm -rf $(VENV) $(STATE) finsieve/v1/*_pb2*.py*
