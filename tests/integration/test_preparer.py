@@ -340,7 +340,7 @@ def test_regex_timeouts_in_a_worker_are_counted_here(tokenizer, tmp_path: Path) 
 
 
 def test_workers_do_not_outlive_a_killed_engine(tmp_path: Path, default_model_dir: Path) -> None:
-    script = tmp_path / "engine.py"
+    script = tmp_path / "engine_process.py"
     script.write_text(
         "import os, sys, time\n"
         "from transformers import AutoTokenizer\n"
