@@ -1,0 +1,197 @@
+"""The commands README.md and docs/*.md show, read by the convention of DOCS_COMMANDS below.
+
+A page's commands live in fences: ```sh (commands only) and ```console (`$ command` lines,
+each followed by its expected output). An HTML comment on the line before a fence may
+declare it `<!-- commands: ci -->` (run by CI's `.ci/run`, not by the suite) or
+`<!-- commands: parse-only: REASON -->` (checked for well-formedness only: it needs a GPU,
+other machines, ...). Fences of other languages are not commands; `bash`, `shell` and
+unlabelled fences are refused so that no command escapes the test unnoticed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMMAND_FENCES = ("sh", "console")
+REFUSED_FENCES = ("", "bash", "shell", "zsh", "shell-session", "shellsession")
+MODES = ("run", "ci", "parse-only")
+
+_FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
+_DECLARATION = re.compile(r"^<!--\s*commands:\s*(ci|parse-only)\s*(?::\s*(.*?))?\s*-->$")
+_HEREDOC = re.compile(r"<<(-?)\s*(['\"]?)([A-Za-z_]\w*)\2")
+_EXIT = re.compile(r"^\(exit (\d+)\)$")
+PLACEHOLDER = re.compile(r"<([a-z][a-z0-9]*(?:-[a-z0-9]+)*)>")
+
+
+@dataclass
+class Command:
+    page: str
+    line: int
+    text: str
+    mode: str = "run"
+    expected: list[str] = field(default_factory=list)  # shown output lines (console fences)
+    exit: int = 0
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def background(self) -> bool:
+        return self.text.rstrip().endswith("&") and not self.text.rstrip().endswith("&&")
+
+    @property
+    def foreground_text(self) -> str:
+        return self.text.rstrip()[:-1].rstrip() if self.background else self.text
+
+
+@dataclass
+class Page:
+    name: str
+    commands: list[Command]
+    problems: list[str]  # breaches of the convention, each with its page:line
+
+
+def read_page(path: Path, name: str) -> Page:
+    lines = path.read_text().splitlines()
+    commands: list[Command] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, lang = m.group(1), m.group(2), m.group(3).lower()
+        start = i + 1  # 1-based number of the fence's first content line
+        body: list[str] = []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence[0] * len(fence)):
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
+            i += 1
+        i += 1  # the closing fence
+        mode, reason = _declaration(lines, start - 2)
+        where = f"{name}:{start - 1}"
+        if lang in REFUSED_FENCES:
+            problems.append(f"{where}: a fence labelled {lang or 'nothing'!r}: label it sh or "
+                            "console if it holds commands, else text (or its language)")
+            continue
+        if lang not in COMMAND_FENCES:
+            if mode != "run":
+                problems.append(f"{where}: a commands declaration on a {lang} fence")
+            continue
+        if mode == "parse-only" and not reason:
+            problems.append(f"{where}: parse-only needs a reason: <!-- commands: parse-only: why -->")
+        block = _sh_commands(body, name, start) if lang == "sh" else _console_commands(body, name, start)
+        for c in block:
+            c.mode = mode
+        if not block:
+            problems.append(f"{where}: a {lang} fence with no command")
+        commands += block
+    return Page(name, commands, problems)
+
+
+def _declaration(lines: list[str], before: int) -> tuple[str, str]:
+    """The declaration on the line right before a fence (0-based index), if any."""
+    if before >= 0:
+        m = _DECLARATION.match(lines[before].strip())
+        if m:
+            return m.group(1), (m.group(2) or "").strip()
+    return "run", ""
+
+
+def _joined(body: list[str], i: int, prompt: str = "") -> tuple[str, int]:
+    """The command starting at body[i] (continuations and heredocs joined), and the index
+    after it."""
+    text = body[i][len(prompt):]
+    i += 1
+    while text.endswith("\\") and i < len(body):
+        nxt = body[i]
+        text = text + "\n" + (nxt[2:] if prompt and nxt.startswith("> ") else nxt)
+        i += 1
+    m = _HEREDOC.search(text)
+    if m:
+        word, strip = m.group(3), m.group(1) == "-"
+        while i < len(body):
+            text += "\n" + body[i]
+            done = (body[i].strip() if strip else body[i]) == word
+            i += 1
+            if done:
+                break
+    return text, i
+
+
+def _sh_commands(body: list[str], page: str, first: int) -> list[Command]:
+    out = []
+    i = 0
+    while i < len(body):
+        if not body[i].strip() or body[i].lstrip().startswith("#"):
+            i += 1
+            continue
+        line = first + i
+        text, i = _joined(body, i)
+        out.append(Command(page, line, text))
+    return out
+
+
+def _console_commands(body: list[str], page: str, first: int) -> list[Command]:
+    out: list[Command] = []
+    i = 0
+    while i < len(body):
+        if body[i].startswith("$ "):
+            line = first + i
+            text, i = _joined(body, i, "$ ")
+            out.append(Command(page, line, text))
+            continue
+        if out and body[i].strip():
+            m = _EXIT.match(body[i].strip())
+            if m:
+                out[-1].exit = int(m.group(1))
+            else:
+                out[-1].expected.append(body[i])
+        i += 1
+    return out
+
+
+def output_pattern(shown: str) -> tuple[re.Pattern[str], list[str]]:
+    """A shown output line as a regex: `...` is any text, `<name>` one run of non-space
+    characters (captured), runs of spaces one or more. Returns it with the names in order."""
+    names: list[str] = []
+    parts: list[str] = []
+    tokens = re.split(r"(\.\.\.|<[a-z][a-z0-9-]*>|\s+)", shown.strip())
+    for n, tok in enumerate(tokens):
+        if not tok:
+            continue
+        if tok == "...":
+            parts.append(".*?")
+        elif PLACEHOLDER.fullmatch(tok):
+            names.append(tok[1:-1])
+            last = all(not t for t in tokens[n + 1:])
+            parts.append(r"(\S+)" if last else r"(\S+?)")
+        elif tok.isspace():
+            parts.append(r"\s+")
+        else:
+            parts.append(re.escape(tok))
+    return re.compile("".join(parts)), names
+
+
+def match_output(expected: list[str], actual: str) -> tuple[dict[str, str], str]:
+    """Captured placeholders, and '' or the first shown line not found (in order)."""
+    lines = actual.splitlines()
+    captured: dict[str, str] = {}
+    pos = 0
+    for shown in expected:
+        if shown.strip() == "...":
+            continue
+        pattern, names = output_pattern(shown)
+        for k in range(pos, len(lines)):
+            m = pattern.search(lines[k].strip())
+            if m:
+                captured.update(zip(names, m.groups(), strict=True))
+                pos = k + 1
+                break
+        else:
+            return captured, shown
+    return captured, ""
