@@ -53,6 +53,8 @@ bench: setup
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # docs/configuration.md is generated from Settings (tests/unit/test_configuration_docs.py checks it).
 docs: $(VENV)/.installed
