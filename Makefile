@@ -10,7 +10,7 @@ STATE ?= .finsieve
 PORT ?= 50051
 QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
 
-.PHONY: setup run test test-slow test-gpu bench lint docs proto clean
+.PHONY: setup run test test-unit test-integration test-slow test-gpu bench lint docs proto clean
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
@@ -38,6 +38,13 @@ run: setup
 
 test: setup
 	$(BIN)/pytest -q
+
+# No process, server or network: a minute on two cores, its two workers one a core.
+test-unit: setup
+	$(BIN)/pytest -q -n 2 --dist worksteal tests/unit
+
+test-integration: setup
+	$(BIN)/pytest -q tests/integration
 
 test-slow: setup
 	$(BIN)/pytest -q -m slow
