@@ -202,7 +202,7 @@ def _loaded_versions(log: Path) -> list[str]:
     """The policy versions the server's log says it loaded, in order."""
     out = []
     for line in log.read_text(errors="replace").splitlines():
-        if '"rules loaded"' in line:
+        if '"rules loaded"' in line or '"rule pack loaded"' in line:  # at start; reloads
             out.append(json.loads(line)["version"])
     return out
 
