@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_host.py [--streams 128] [--steps 300] [--baseline REV]
 
 On a GPU at 64 streams and more, the decode loop's own work (scheduling, the rules, the
-release of final text, the events) is what sets the pace with rules on (bench_gpu.py's
+release of final text, the events) is what sets the pace with rules on (bench_gpu's
 `loop_ms_per_step`). This measures that work alone: the engine with a runner that answers
 each step at once with uniformly random tokens (as bench_gpu's random model samples),
 `--streams` closed-loop streams of 256-token answers, for three policies: none, an empty
@@ -34,7 +34,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / ".finsieve/models/SmolLM2-135M-Instruct"
@@ -45,9 +44,7 @@ POLICIES = ("none", "empty pack", "rules on")
 def measure(args) -> dict[str, float]:
     """Microseconds of host work per accepted token, per policy (the best of the repeats)."""
     import torch
-
-    sys.path.insert(0, str(REPO / "bench"))
-    from bench_gpu import phase_model, prompts, rules_dir
+    from bench_gpu.workload import prompts, rules_dir, save_model
 
     from engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
     from engine.loader import load_model
@@ -60,7 +57,7 @@ def measure(args) -> dict[str, float]:
     work = Path(args.work)
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
-        phase_model(SimpleNamespace(model_dir=str(model_dir), tiny=True, tokenizer=str(TOKENIZER)))
+        save_model(model_dir, TOKENIZER, tiny=True)
     cpu = torch.device("cpu")
     engine = LLMEngine(load_model(str(model_dir), work, cpu),
                        EngineLimits(max_batch=args.streams, max_context=1024, default_max_tokens=256,

@@ -37,12 +37,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_gpu import phase_device, random_model, step_bytes
+from bench_gpu.device import measure_device
+from bench_gpu.workload import random_model, step_bytes
 
 from engine import sampler
-from engine.cuda_graphs import capture, replay_ms
+from engine.cuda_graphs import DecodeGraphs, capture, replay_ms
+from engine.embed import embed_rows, optimistic_ids
 from engine.model import CompactLM
-from engine.model_runner import ModelRunner, StepRow, embed_rows, optimistic_ids
+from engine.model_runner import ModelRunner, StepRow
 from engine.sampler import sample, sample_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +111,6 @@ def measure(model: CompactLM, head, greedy) -> dict:
 
 
 def _graphs(model: CompactLM, head, greedy):
-    from engine.model_runner import DecodeGraphs
-
     graphs = DecodeGraphs(model, 1)
     graphs.embed_rows, graphs.greedy = head, greedy
     graphs.capture()
@@ -141,7 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_one_row: needs a CUDA device")
-    bandwidth = phase_device(args)["copy_bandwidth_bytes_s"]
+    bandwidth = measure_device()["copy_bandwidth_bytes_s"]
     model, weight_bytes = build()
     assert model.gemv, "the GEMV kernels do not take this shape here"
     floor_ms = 1000 * weight_bytes / bandwidth
