@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from finsieve.config import ModelLoadError
+from finsieve.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
 

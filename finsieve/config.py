@@ -10,17 +10,12 @@ from typing import Any, Literal, get_args, get_type_hints
 
 import yaml
 
+from finsieve.errors import ConfigError
+from finsieve.secretfiles import read_secret
+from finsieve.wire import MAX_MESSAGE_BYTES, largest_valid_request
+
 Role = Literal["all", "engine", "gateway"]
 Device = Literal["auto", "cpu", "cuda"]
-
-
-class ConfigError(ValueError):
-    """A setting has a value that cannot be used; the message names the setting."""
-
-
-class ModelLoadError(RuntimeError):
-    """The model the settings name cannot be found or loaded; the message says what to do.
-    (Here, not in the loader: the CLI tells it apart without importing torch.)"""
 
 
 def _setting(default: Any, help: str, **kw: Any) -> Any:
@@ -266,8 +261,6 @@ class Settings:
 
 
 def _read_url(path: Path) -> str:
-    from finsieve.secretfiles import read_secret  # it imports this module
-
     data = read_secret(path, "FINSIEVE_REDIS_URL_FILE", min_bytes=1)
     try:
         return data.decode("ascii")
@@ -278,9 +271,6 @@ def _read_url(path: Path) -> str:
 
 def _validate_frame_limit(s: Settings) -> None:
     """Every request validation accepts must fit a frame, and every frame the engine link."""
-    from finsieve.grpc_server import MAX_MESSAGE_BYTES
-    from gateway.validation import largest_valid_request
-
     if s.max_message_bytes > MAX_MESSAGE_BYTES:
         raise ConfigError(f"FINSIEVE_MAX_MESSAGE_BYTES: at most {MAX_MESSAGE_BYTES}")
     need = largest_valid_request(s.max_input_bytes, s.max_messages)

@@ -1,4 +1,5 @@
-"""Errors a client can cause, carried as gRPC status codes with the field at fault."""
+"""The errors of the base: an operator's (a setting that cannot be used, a model that cannot be
+loaded), and a client's, carried as gRPC status codes with the field at fault."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from finsieve.v1 import chat_pb2
+
+
+class ConfigError(ValueError):
+    """A setting has a value that cannot be used; the message names the setting."""
+
+
+class ModelLoadError(RuntimeError):
+    """The model the settings name cannot be found or loaded; the message says what to do.
+    (Here, not in the loader: the CLI tells it apart without importing torch.)"""
 
 
 class RequestError(Exception):

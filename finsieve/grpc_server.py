@@ -15,14 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from finsieve.config import Settings
+from finsieve.wire import ENGINE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
 
-# The most a client's frame may be (FINSIEVE_MAX_MESSAGE_BYTES is at most this), and the
-# gateway <-> engine link's limit: a forwarded request differs from the client's frame only by
-# its id (at most ~20 bytes longer), so whatever a gateway accepts fits the link by construction.
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-ENGINE_MESSAGE_BYTES = MAX_MESSAGE_BYTES + 64 * 1024
 CHANNEL_OPTIONS = [  # clients' channels
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -1,4 +1,7 @@
-"""Secrets on disk: private directories, 0600 files written atomically, strict reads."""
+"""Secrets on disk: private directories, 0600 files written atomically, strict reads.
+
+Independent of the settings (which read their URL file through it): a caller passes the
+configured path and the state directory."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from finsieve.config import ConfigError, Settings
+from finsieve.errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
@@ -83,14 +86,14 @@ def secret_file(configured: str, default: Path, setting: str) -> bytes:
     return read_secret(default, setting)
 
 
-def audit_key(s: Settings) -> bytes:
-    return secret_file(s.audit_key_file, s.state_path / "audit.key", "FINSIEVE_AUDIT_KEY_FILE")
+# Each secret: its configured file (which must exist), else one in the state directory.
+def audit_key(configured: str, state: Path) -> bytes:
+    return secret_file(configured, state / "audit.key", "FINSIEVE_AUDIT_KEY_FILE")
 
 
-def keys_secret(s: Settings) -> bytes:
-    return secret_file(s.keys_secret_file, s.state_path / "keys.secret", "FINSIEVE_KEYS_SECRET_FILE")
+def keys_secret(configured: str, state: Path) -> bytes:
+    return secret_file(configured, state / "keys.secret", "FINSIEVE_KEYS_SECRET_FILE")
 
 
-def engine_secret(s: Settings) -> bytes:
-    return secret_file(s.engine_secret_file, s.state_path / "engine.secret",
-                       "FINSIEVE_ENGINE_SECRET_FILE")
+def engine_secret(configured: str, state: Path) -> bytes:
+    return secret_file(configured, state / "engine.secret", "FINSIEVE_ENGINE_SECRET_FILE")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from finsieve.config import ConfigError, Settings
+from finsieve.config import Settings
+from finsieve.errors import ConfigError
 from finsieve.secretfiles import read_secret
 
 MAX_PEM_BYTES = 1 << 20

@@ -21,8 +21,8 @@ import structlog
 
 from finsieve import supervise
 from finsieve.errors import RequestError
-from finsieve.grpc_server import ENGINE_MESSAGE_BYTES
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
+from finsieve.wire import ENGINE_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
 

@@ -29,7 +29,8 @@ import redis.asyncio as redis
 import structlog
 from prometheus_client import Counter
 
-from finsieve.config import ConfigError, Settings, load_yaml_file
+from finsieve.config import Settings, load_yaml_file
+from finsieve.errors import ConfigError
 
 from .keys import TENANT_RE
 

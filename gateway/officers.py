@@ -27,11 +27,12 @@ from pathlib import Path
 import redis.asyncio as redis
 import structlog
 
-from finsieve import supervise, tls
+from finsieve import logs, supervise, tls
 from finsieve.auth import AuthInterceptor, roles_for
 from finsieve.config import Settings
 from finsieve.grpc_server import Service, server_options, start_server
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc
+from finsieve.valkey import connect, die_with_parent
 
 from .access import AdminTrail
 from .admin_service import AdminService
@@ -118,8 +119,6 @@ def spawn(settings: Settings, secrets: Secrets) -> Officers:
 
 
 async def _serve(settings: Settings, secrets: Secrets) -> None:
-    from finsieve.valkey import connect
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -194,9 +193,6 @@ async def _retain(audit: AuditLog, trail: AdminTrail, days: float) -> None:
 
 
 def main() -> int:
-    from finsieve import logs
-    from finsieve.valkey import die_with_parent
-
     config = json.loads(sys.stdin.readline())
     settings = Settings.load(config["settings"], env={})
     logs.configure(settings.log_format, settings.log_level)

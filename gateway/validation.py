@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 from finsieve.errors import invalid
 from finsieve.v1 import chat_pb2
+from finsieve.wire import (
+    MAX_METADATA_CHARS,
+    MAX_METADATA_ENTRIES,
+    MAX_REQUEST_ID,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 
 ROLES = ("system", "user", "assistant")
-MAX_REQUEST_ID = 128
-MAX_STOP_STRINGS = 8
-MAX_STOP_CHARS = 64
-MAX_METADATA_ENTRIES = 32
-MAX_METADATA_CHARS = 256
 # Sampling: dividing logits by a temperature below the floor overflows float32 (1e-45 is a
 # valid float). top_k beyond a few hundred is top_k off in all but name.
 MIN_TEMPERATURE = 0.01
@@ -36,18 +38,6 @@ class Limits:
     max_tokens: int
     max_input_bytes: int
     max_messages: int = 256
-
-
-def largest_valid_request(max_input_bytes: int, max_messages: int) -> int:
-    """An upper bound on the wire size of a ChatClientMessage that validation accepts: the
-    messages' text plus the most every other field may add (UTF-8: 4 bytes a character)."""
-    varint, tag = 5, 1
-    per_message = 2 * (tag + varint) + (tag + varint + len("assistant"))
-    stop = MAX_STOP_STRINGS * (tag + varint + 4 * MAX_STOP_CHARS)
-    metadata = MAX_METADATA_ENTRIES * (3 * (tag + varint) + 2 * 4 * MAX_METADATA_CHARS)
-    params = 6 * (tag + 10) + stop + 2 * (tag + varint)
-    request_id = tag + varint + 4 * MAX_REQUEST_ID
-    return max_input_bytes + max_messages * per_message + metadata + params + request_id + 2 * (tag + varint)
 
 
 def validate(req: chat_pb2.ChatRequest, limits: Limits) -> None:

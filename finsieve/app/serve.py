@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import prometheus_client
 import redis.asyncio as redis
@@ -23,16 +22,19 @@ from finsieve.app.client import CredentialError, read_key_file
 from finsieve.auth import GATEWAY_ROLE, ROLES, AuthInterceptor, Unauthenticated, roles_for
 from finsieve.config import Settings
 from finsieve.grpc_server import (
-    ENGINE_MESSAGE_BYTES,
     RunningServer,
     Service,
     engine_channel_options,
     server_options,
     start_server,
 )
+from finsieve.policy.guard import Policy, compile_policy
+from finsieve.policy.masks import TokenTable
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
+from finsieve.policy.sources import PackLimits
 from finsieve.v1 import chat_pb2, engine_pb2
 from finsieve.valkey import EmbeddedValkey, connect, redact
+from finsieve.wire import ENGINE_MESSAGE_BYTES
 from gateway import officers
 from gateway.access import FLUSH_AT_SHUTDOWN_S, AdminTrail
 from gateway.admin_service import key_event
@@ -40,14 +42,13 @@ from gateway.anchors import Anchoring, AnchorWriter
 from gateway.audit import AuditLog
 from gateway.cache import ResponseCache
 from gateway.engines import EngineCredentials, EnginePool
+from gateway.frames import add_gateway_to_server
 from gateway.identity import ClientAuthenticator
 from gateway.keys import KeyStore
 from gateway.limits import tenant_limiter
 from gateway.rules import GatewayPolicy, compile_gateway_policy
 from gateway.server import Bounds, GatewayService
-
-if TYPE_CHECKING:
-    from finsieve.policy.guard import Policy
+from gateway.validation import Limits
 
 log = structlog.get_logger(__name__)
 
@@ -69,13 +70,14 @@ async def serve(settings: Settings) -> None:
     tls.check_transport(settings)
     secretfiles.private_dir(settings.state_path)
     gateway_side = settings.role in ("all", "gateway")
-    key = secretfiles.audit_key(settings) if gateway_side else b""
-    keys_secret = secretfiles.keys_secret(settings) if gateway_side else b""
+    state = settings.state_path
+    key = secretfiles.audit_key(settings.audit_key_file, state) if gateway_side else b""
+    keys_secret = secretfiles.keys_secret(settings.keys_secret_file, state) if gateway_side else b""
     # Role all: the engine is in this process, on loopback; a fresh secret each start unless
     # one is configured (so that an operator can call the engine's Info).
     engine_secret = (secrets.token_hex(32).encode()
                      if settings.role == "all" and not settings.engine_secret_file
-                     else secretfiles.engine_secret(settings))
+                     else secretfiles.engine_secret(settings.engine_secret_file, state))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -248,11 +250,6 @@ def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitS
                  in_force: Callable[[Policy], None]) -> PolicyHolder:
     """Compile the rules directory now (a bad pack stops start-up) and on every change;
     in_force(policy) each time a policy comes in force."""
-    from finsieve.policy.guard import compile_policy
-    from finsieve.policy.masks import TokenTable
-    from finsieve.policy.reload import RulesWatcher
-    from finsieve.policy.sources import PackLimits
-
     directory, luts = Path(settings.rules), Path(settings.luts)
     limits = PackLimits.of(settings)
     tokens = TokenTable.load_or_build(token_bytes, luts)
@@ -278,8 +275,6 @@ def _gateway_rules(settings: Settings, key: bytes,
     masking in the trail), hot-reloaded like theirs."""
     if not settings.rules:
         return None
-    from finsieve.policy.sources import PackLimits
-
     directory, limits = Path(settings.rules), PackLimits.of(settings)
     policy, version = compile_gateway_policy(directory, key, limits)
     holder = PolicyHolder(policy, version)
@@ -332,9 +327,6 @@ async def _start_gateway(
     audit: AuditLog, keys: KeyStore, client: redis.Redis,
     rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
-    from gateway.frames import add_gateway_to_server
-    from gateway.validation import Limits
-
     auth = ClientAuthenticator.from_settings(settings, keys)
     limiter = tenant_limiter(settings, client)
     renew = supervise.start("tenant-leases", limiter.renew_leases)

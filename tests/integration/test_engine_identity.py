@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.server import EngineService, GatewayGate, add_to_server
 from finsieve.app.client import Credentials, chat_request, wait_ready
 from finsieve.auth import GATEWAY_ROLE, AuthInterceptor, roles_for
-from finsieve.config import ConfigError, Settings
+from finsieve.config import Settings
+from finsieve.errors import ConfigError
 from finsieve.tls import check_transport, server_credentials
 from finsieve.v1 import chat_pb2, engine_pb2, engine_pb2_grpc
 

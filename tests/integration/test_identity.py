@@ -20,7 +20,8 @@ from grpc_status import rpc_status
 
 from finsieve.app.client import Credentials, chat_request
 from finsieve.app.display import cell
-from finsieve.config import ConfigError, Settings
+from finsieve.config import Settings
+from finsieve.errors import ConfigError
 from finsieve.secretfiles import read_secret
 from finsieve.tls import check_transport
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc, chat_pb2, engine_pb2

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from finsieve.config import ConfigError, Settings
+from finsieve.config import Settings
+from finsieve.errors import ConfigError
 
 
 def test_settings_from_environment_and_flags():

@@ -1,4 +1,5 @@
-"""gateway/validation.py: what validation accepts fits the frame limit and the engine link."""
+"""gateway/validation.py and finsieve/wire.py: what validation accepts fits the frame limit and
+the engine link."""
 
 from __future__ import annotations
 
@@ -6,18 +7,18 @@ from __future__ import annotations
 def test_what_validation_accepts_fits_the_frame_limit_and_the_engine_link():
     """By construction: a valid request at every limit is within largest_valid_request, and
     its forwarded copy (a longer internal id) within the gateway-engine link's limit."""
-    from finsieve.grpc_server import ENGINE_MESSAGE_BYTES, MAX_MESSAGE_BYTES
     from finsieve.v1 import chat_pb2
-    from gateway.validation import (
+    from finsieve.wire import (
+        ENGINE_MESSAGE_BYTES,
+        MAX_MESSAGE_BYTES,
         MAX_METADATA_CHARS,
         MAX_METADATA_ENTRIES,
         MAX_REQUEST_ID,
         MAX_STOP_CHARS,
         MAX_STOP_STRINGS,
-        Limits,
         largest_valid_request,
-        validate,
     )
+    from gateway.validation import Limits, validate
 
     for max_input, max_messages in [(262144, 256), (16384, 16), (7_000_000, 4096)]:
         wide = "😀"
