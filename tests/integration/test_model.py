@@ -350,7 +350,7 @@ def test_a_tokenizer_with_more_tokens_than_the_embedding_is_refused_at_load(tmp_
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.loader import load_model
-    from finsieve.config import ModelLoadError
+    from finsieve.errors import ModelLoadError
 
     config = LlamaConfig(vocab_size=len(engine.tokenizer), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
