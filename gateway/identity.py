@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from finsieve.auth import ROLES, Principal, Unauthenticated, bearer
-from finsieve.config import ConfigError, Settings, load_yaml_file
+from finsieve.config import Settings, load_yaml_file
+from finsieve.errors import ConfigError
 
 from .keys import MAX_NAME, TENANT_RE, KeyStore
 
