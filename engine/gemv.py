@@ -57,7 +57,7 @@ PLAIN, ROPE, SILU = 0, 1, 2
 @dataclass(frozen=True)
 class Tile:
     """Output rows per program (per block of a pair), K per iteration, warps, stages
-    (`bench_gpu.py --phases profile` times the alternatives on the device)."""
+    (`python -m bench.bench_gpu --phases profile` times the alternatives on the device)."""
 
     block_n: int
     block_k: int
@@ -67,7 +67,7 @@ class Tile:
 
 
 # Per matmul, the fastest at one row on an H200 (Qwen2-7B shape); a smaller block_k is used
-# where it does not divide K. Swept alone (`bench_gpu.py --phases profile --sweeps gemv`),
+# where it does not divide K. Swept alone (`bench.bench_gpu --phases profile --sweeps gemv`),
 # two parts beat these for the down projection (33.8 against 34.4 us on one H200, 35.7
 # against 37.2 on another) and for the output projection (16 rows, 256: 7.12 against 7.68
 # us), but the one-row decode graph on a third H200 replayed in 3.68 ms with either set
