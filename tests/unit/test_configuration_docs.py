@@ -7,10 +7,10 @@ import dataclasses
 import difflib
 import re
 
-from support.paths import REPO
-
 from finsieve.app.settings_doc import REGENERATE, render, rows
 from finsieve.config import Settings
+
+from support.paths import REPO
 
 CONFIGURATION = REPO / "docs" / "configuration.md"
 # `tests/integration/test_pci.py::test_no_card_number_reaches_redis`, optionally with a
@@ -74,3 +74,32 @@ def test_every_test_the_docs_cite_exists() -> None:
                         missing.append(f"{where}: no `{kind} {name}` in {path}")
     assert not missing, "the docs cite tests that do not exist:\n" + "\n".join(missing)
     assert cited >= 10, f"docs/security.md should cite the tests that hold its promises ({cited})"
+
+
+# A metric as the code declares it: Counter("finsieve_rollbacks", ...).
+_METRIC_DEFINITION = re.compile(r"\b(?:Counter|Histogram|Gauge|Summary)\(\s*\"(finsieve_\w+)\"")
+_METRIC_NAME = re.compile(r"\bfinsieve_[a-z_]+\b")
+_EXPOSITION_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
+
+
+def _code_metrics() -> set[str]:
+    return {m for folder in ("finsieve", "engine", "gateway")
+            for path in (REPO / folder).rglob("*.py")
+            for m in _METRIC_DEFINITION.findall(path.read_text())}
+
+
+def test_the_metrics_the_docs_name_are_the_codes() -> None:
+    code = _code_metrics()
+    assert len(code) >= 20, code  # the pattern still finds the definitions
+    named = {}
+    for page in _doc_pages():
+        if page.exists():
+            for name in _METRIC_NAME.findall(page.read_text()):
+                base = next((name[: -len(s)] for s in _EXPOSITION_SUFFIXES
+                             if name.endswith(s) and name[: -len(s)] in code), name)
+                named.setdefault(base, page.name)
+    unknown = {n: p for n, p in named.items() if n not in code}
+    assert not unknown, f"metrics the docs name that the code does not define: {unknown}"
+    operations = (REPO / "docs" / "operations.md").read_text()
+    undocumented = sorted(m for m in code if m not in operations)
+    assert not undocumented, f"metrics docs/operations.md does not list: {undocumented}"
