@@ -10,7 +10,7 @@ STATE ?= .finsieve
 PORT ?= 50051
 QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
 
-.PHONY: setup run test test-unit test-integration test-slow test-gpu bench lint docs proto clean
+.PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
@@ -57,6 +57,10 @@ bench: setup
 	$(BIN)/python bench/bench_rules.py
 	$(BIN)/python bench/bench_enforcement.py
 	$(BIN)/python bench/bench_audit.py
+
+# docs/img/ is drawn from bench/results/ (tests/unit/test_bench_results.py checks the bytes).
+plots: $(VENV)/.installed
+	$(BIN)/python bench/plot.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
