@@ -5,7 +5,7 @@ loop. On threads it held the engine process's GIL (~0.6 ms a request with rules 
 with the default packs and 10,000 literals, on a 2-core CPU), and each time the loop let go
 of the GIL (every wait for the device) a preparing thread could keep it for a switch
 interval: on an H200 at 128 streams with requests arriving steadily and rules on, steps
-took 10.7 ms on threads and 7.6 ms with two workers (README, "GPU figures"). vLLM's V1
+took 10.7 ms on threads and 7.6 ms with two workers (docs/benchmarks.md). vLLM's V1
 front-end process takes this work off its engine core for the same reason.
 
 A worker keeps the input rules of the policy versions it has seen; a request carries its

@@ -4,11 +4,11 @@ Each Chat stream multiplexes many requests by the client's request_id. The gatew
 each one an internal id for the engine and maps events back. On SIGTERM it drains: new
 requests are refused, requests in flight may finish until the deadline, then streams end.
 
-What one client can cost is bounded (README "Bounds"): requests in flight per stream and per
-connection, events waiting for it (a client that stops reading is ended after a grace
-period), cancels (only the first for a live request reaches the engine). When a stream
-ends for any reason (the client left, its deadline passed, it was ended), every request
-still on it is cancelled at the engine and audited as CANCELLED.
+What one client can cost is bounded (docs/operations.md, "Limits and bounds"): requests in
+flight per stream and per connection, events waiting for it (a client that stops reading is
+ended after a grace period), cancels (only the first for a live request reaches the engine).
+When a stream ends for any reason (the client left, its deadline passed, it was ended),
+every request still on it is cancelled at the engine and audited as CANCELLED.
 """
 
 from __future__ import annotations

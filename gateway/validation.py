@@ -1,7 +1,7 @@
 """Checks of a client's ChatRequest: the first field at fault becomes the Error's field.
 
 Counts are checked before anything is iterated, so a frame of a million empty messages
-costs one comparison. Every bound is in the README ("Bounds").
+costs one comparison. Every bound is in docs/operations.md ("Limits and bounds").
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def parser() -> argparse.ArgumentParser:
                          "128 streams) read rules on / off 3.6%% apart where the engine's steps "
                          "(7.38 / 7.39 ms, 1,425 / 1,420 of them) said they ran alike")
     ap.add_argument("--gateways", type=int, default=2,
-                    help="serve: gateway processes on one SO_REUSEPORT port (README, \"Running "
-                         "engine and gateway apart\": each costs the engine a message a step)")
+                    help="serve: gateway processes on one SO_REUSEPORT port (docs/operations.md, "
+                         "\"Processes and roles\": each costs the engine a message a step)")
     ap.add_argument("--client-procs", type=int, default=4)
     ap.add_argument("--tests-timeout", type=float, default=240)
     ap.add_argument("--py-spy", action="store_true",

@@ -180,7 +180,7 @@ def test_chat_cli_reports_an_unreachable_gateway(tmp_path):
 
 
 def test_engine_and_gateway_apart_with_one_engine_down(tmp_path, default_model_dir, certs):
-    """The README's split deployment: a gateway in front of a dead and a live engine, the
+    """docs/operations.md's split deployment: a gateway in front of a dead and a live engine, the
     live one over TLS, authenticated by the engine secret."""
     engine_port = free_port()
     for part in ("e", "g"):

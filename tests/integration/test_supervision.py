@@ -320,7 +320,7 @@ def test_rule_packs_loaded_while_the_trail_refuses_writes_are_recorded_once_it_i
 
 
 def test_an_officer_call_is_unavailable_while_the_trail_refuses_writes(srv):
-    """The README's promise: an officer read that cannot be recorded is refused UNAVAILABLE
+    """docs/security.md's promise: an officer read that cannot be recorded is refused UNAVAILABLE
     (it was UNKNOWN with a Python TypeError's text)."""
     with refusing_writes(srv):
         error = officer(srv, lambda s: s.Query(audit_pb2.AuditQuery(page_size=1)))
