@@ -132,7 +132,7 @@ rules:
     action: halt
 """
 
-# Small enough that tests reach every bound cheaply; see the README's table for each.
+# Small enough that tests reach every bound cheaply; each is in docs/configuration.md.
 TIGHT_ENV = {
     "FINSIEVE_MAX_INPUT_BYTES": "16384",
     "FINSIEVE_MAX_MESSAGES": "16",
