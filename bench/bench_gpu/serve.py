@@ -20,6 +20,7 @@ import sys
 import time
 from argparse import Namespace
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def _client_proc(target: str, key: str, texts: list[str], streams: list[int], ro
             for r in range(rounds):
                 req = chat_request(f"s{i}-{r}", texts[(i + r * 7) % len(texts)], max_tokens=max_tokens)
 
-                async def send(req=req):
+                async def send(req: Any = req) -> AsyncIterator[Any]:
                     yield chat_pb2.ChatClientMessage(request=req)
 
                 t0 = time.perf_counter()

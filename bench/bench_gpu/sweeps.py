@@ -108,7 +108,8 @@ def attention_configs(m: Any, bandwidth: float | None, tiles: bool) -> dict:
         v = torch.randn_like(k)
         kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * cache_k.element_size()
 
-        def call(q=q, k=k, v=v, slots=slots, lengths=lengths, **config):
+        def call(q: Any = q, k: Any = k, v: Any = v, slots: Any = slots, lengths: Any = lengths,
+                 **config: Any) -> Any:
             return attention._triton_decode(q, k, v, cache_k, cache_v, slots, lengths,
                                             rope=(m.cos, m.sin), **config)
 
