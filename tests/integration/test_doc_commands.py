@@ -230,7 +230,7 @@ class PageRun:
         output = done.stdout + done.stderr
         if done.returncode != c.exit:
             self.fail(c, text, f"exit {done.returncode}, expected {c.exit}", output)
-        captured, missing = match_output(c.expected, output)
+        captured, missing = match_output(c.expected, output, self.captured)
         if missing:
             self.fail(c, text, f"shown output line not found: {missing!r}", output)
         self.captured.update(captured)

@@ -155,9 +155,12 @@ def _console_commands(body: list[str], page: str, first: int) -> list[Command]:
     return out
 
 
-def output_pattern(shown: str) -> tuple[re.Pattern[str], list[str]]:
+def output_pattern(shown: str, known: dict[str, str] | None = None
+                   ) -> tuple[re.Pattern[str], list[str]]:
     """A shown output line as a regex: `...` is any text, `<name>` one run of non-space
-    characters (captured), runs of spaces one or more. Returns it with the names in order."""
+    characters (captured; a name already `known` must match its value again), runs of
+    spaces one or more. Returns it with the names it captures, in order."""
+    known = known or {}
     names: list[str] = []
     parts: list[str] = []
     tokens = re.split(r"(\.\.\.|<[a-z][a-z0-9-]*>|\s+)", shown.strip())
@@ -166,6 +169,8 @@ def output_pattern(shown: str) -> tuple[re.Pattern[str], list[str]]:
             continue
         if tok == "...":
             parts.append(".*?")
+        elif PLACEHOLDER.fullmatch(tok) and tok[1:-1] in known:
+            parts.append(re.escape(known[tok[1:-1]]))
         elif PLACEHOLDER.fullmatch(tok):
             names.append(tok[1:-1])
             last = all(not t for t in tokens[n + 1:])
@@ -177,15 +182,16 @@ def output_pattern(shown: str) -> tuple[re.Pattern[str], list[str]]:
     return re.compile("".join(parts)), names
 
 
-def match_output(expected: list[str], actual: str) -> tuple[dict[str, str], str]:
-    """Captured placeholders, and '' or the first shown line not found (in order)."""
+def match_output(expected: list[str], actual: str, known: dict[str, str] | None = None
+                 ) -> tuple[dict[str, str], str]:
+    """Placeholders captured, and '' or the first shown line not found (in order)."""
     lines = actual.splitlines()
-    captured: dict[str, str] = {}
+    captured: dict[str, str] = dict(known or {})
     pos = 0
     for shown in expected:
         if shown.strip() == "...":
             continue
-        pattern, names = output_pattern(shown)
+        pattern, names = output_pattern(shown, captured)
         for k in range(pos, len(lines)):
             m = pattern.search(lines[k].strip())
             if m:
