@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from finsieve.app.client import chat_request
 from finsieve.v1 import chat_pb2
 
@@ -97,6 +99,13 @@ PROMPTS = [
 ]
 
 
+# Slow (make test-slow): five served decodes, four of them one after another. In the default
+# suite the same holds in parts: an answer decoded in a batch is the one decoded alone
+# (test_same_seed_same_answer_other_seed_other_answer, test_model.py's
+# test_decode_logits_do_not_depend_on_the_rest_of_the_batch), a served answer is the engine's
+# (test_streamed_deltas_equal_the_non_streamed_decode), and concurrent requests are served
+# together (test_two_requests_interleave_and_cancel_stops_one).
+@pytest.mark.slow
 def test_four_concurrent_streams_match_their_solo_greedy_answers(server):
     async def one(i: int) -> list:
         async with ChatStream(server.target) as s:
@@ -113,6 +122,11 @@ def test_four_concurrent_streams_match_their_solo_greedy_answers(server):
         assert text_of(batched[i]) == text_of(solo[i]) != "", PROMPTS[i]
 
 
+# Slow (make test-slow): two decodes of the real model. In the default suite
+# test_engine.py's test_a_stop_string_is_never_delivered holds the same for the sequence that
+# cuts the answer (stop strings across tokens and inside invalid UTF-8, finish reason STOP),
+# and test_audit.py's test_every_finish_reason_leaves_a_complete_record a served STOP.
+@pytest.mark.slow
 def test_stop_string_ends_the_answer_and_is_not_delivered(engine):
     full = text_of(engine.generate(chat_request("f", "Count from 1 to 10.", max_tokens=40)))
     stop = full[len(full) // 2 : len(full) // 2 + 3]
