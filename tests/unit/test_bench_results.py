@@ -45,7 +45,8 @@ def test_a_run_history_parses_and_states_its_provenance(path: Path) -> None:
     assert (REPO / "bench" / f"{bench}.py").is_file() or (REPO / "bench" / bench).is_dir(), \
         f"{path}: provenance names a bench that does not exist: {bench!r}"
     assert provenance["date"] is None or re.fullmatch(r"\d{4}-\d{2}-\d{2}", provenance["date"]), path
-    assert provenance["commit"] is None or re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", provenance["commit"]), path
+    commit = provenance["commit"]
+    assert commit is None or re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", commit), f"{path}: commit {commit!r}"
     for key in ("machine", "command", "conditions"):
         assert provenance[key] is None or (isinstance(provenance[key], str) and provenance[key].strip()), \
             f"{path}: provenance {key!r} is neither null nor text"
