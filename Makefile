@@ -9,6 +9,7 @@ BIN := $(VENV)/bin
 STATE ?= .finsieve
 PORT ?= 50051
 QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
+MAX_TOKENS ?= 200
 
 .PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean
 
@@ -34,7 +35,7 @@ run: setup
 	@set -e; \
 	$(BIN)/finsieve serve --port $(PORT) --state-dir $(STATE) & pid=$$!; \
 	trap 'kill $$pid 2>/dev/null; wait $$pid' EXIT; \
-	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 --max-tokens 200 "$(QUESTION)"
+	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 --max-tokens $(MAX_TOKENS) "$(QUESTION)"
 
 test: setup
 	$(BIN)/pytest -q
