@@ -10,6 +10,8 @@ page's own `finsieve serve &`, or one plain server the test starts for the page.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import re
@@ -45,10 +47,11 @@ _SERVE = re.compile(_FINSIEVE + r"\s+serve\b")
 _MAKE = re.compile(r"^make\b", re.M)
 COMMAND_TIMEOUT_S = 180
 SERVER_READY_S = 120
-# A page whose server is this (output redirected or not) shares the test's one; any other
-# serve gets a place of its own.
+# A page whose server is this (output redirected or not; metrics on 9464 or not: the shared
+# server serves them) shares the test's one; any other serve gets a place of its own.
 PLAIN_SERVE = "finsieve serve &"
-_PLAIN_SERVE = re.compile(r"finsieve serve(?:\s+(?:[12]?>>?|&>)\s*\S+|\s+2>&1)*\s*&")
+_PLAIN_SERVE = re.compile(
+    r"finsieve serve(?:\s+--metrics-port[ =]9464)?(?:\s+(?:[12]?>>?|&>)\s*\S+|\s+2>&1)*\s*&")
 
 
 def _pages() -> list[Page]:
@@ -98,6 +101,19 @@ def test_parse_only_commands_are_well_formed(tmp_path: Path) -> None:
     assert not failures, "\n".join(failures)
 
 
+def _finsieve_refuses(argv: list[str]) -> str:
+    """'' if finsieve's own parser accepts argv (in this process: no start-up to pay)."""
+    from finsieve.app.cli import _parser
+
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            _parser().parse_args(argv)
+    except SystemExit as e:
+        return "" if e.code == 0 else errors.getvalue().strip()[-600:]
+    return ""
+
+
 def _malformed(c: Command, checkout: Path, env: dict[str, str]) -> str:
     """'' if the command's program accepts its arguments, else why not. A finsieve command is
     parsed by finsieve's own parser (an unknown flag fails); `make X` by `make -n X`; any
@@ -108,12 +124,9 @@ def _malformed(c: Command, checkout: Path, env: dict[str, str]) -> str:
     if not words:
         return "no program"
     if Path(words[0]).name == "finsieve":
-        argv = [sys.executable, "-c", "import sys; from finsieve.app.cli import _parser; "
-                "_parser().parse_args(sys.argv[1:])", *words[1:]]
-    elif words[0] == "make":
-        argv = ["make", "-n", "-o", ".venv/.installed", *words[1:]]
-    else:
-        argv = [*words, "--help"]
+        return _finsieve_refuses(words[1:])
+    make = ["make", "-n", "-o", ".venv/.installed", *words[1:]]
+    argv = make if words[0] == "make" else [*words, "--help"]
     done = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=COMMAND_TIMEOUT_S)
     return "" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-600:]}"
@@ -131,9 +144,12 @@ class Place:
     server_log: Path | None = None  # where the `finsieve serve &` running here logs
 
     @classmethod
-    def new(cls, tmp: Path) -> Place:
+    def new(cls, tmp: Path, shared: bool = False) -> Place:
         ports = {p: free_port() for p in DEFAULT_PORTS}
-        return cls(_scratch_checkout(tmp), ports, _environment(ports))
+        env = _environment(ports)
+        if shared:  # its one server serves metrics, for the pages that show them
+            env["FINSIEVE_METRICS_PORT"] = str(ports[9464])
+        return cls(_scratch_checkout(tmp), ports, env)
 
     def close(self) -> None:
         for proc, _ in self.background:
@@ -144,7 +160,7 @@ class Place:
 def shared_place(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Place]:
     """The place of every page that starts no server of its own: one server for them all,
     started by the first that needs it."""
-    place = Place.new(tmp_path_factory.mktemp("doc-commands"))
+    place = Place.new(tmp_path_factory.mktemp("doc-commands"), shared=True)
     yield place
     place.close()
 
@@ -317,7 +333,10 @@ def _environment(ports: dict[int, int]) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.pop("PYTHONPATH", None)
     env.update(FINSIEVE_PORT=str(ports[50051]), FINSIEVE_ENGINE_PORT=str(ports[50052]),
-               FINSIEVE_AUDIT_PORT=str(ports[50053]), PORT=str(ports[50051]))
+               FINSIEVE_AUDIT_PORT=str(ports[50053]))
+    # `make run`'s variables: its port, and a short demo answer (200 tokens cost the suite
+    # ~20 s on two cores; the path is the same).
+    env.update(PORT=str(ports[50051]), MAX_TOKENS="16")
     return env
 
 
