@@ -34,7 +34,11 @@ from support.doc_commands import PLACEHOLDER, Command, Page, match_output, read_
 from support.paths import REPO
 from support.servers import free_port
 
-PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+# The docs: README.md first (its `finsieve serve &` starts the shared server), the other pages
+# at the top, docs/, and each top-level folder's README (rules/README.md, the rule authors').
+PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (
+    *REPO.glob("*.md"), *REPO.glob("docs/*.md"), *REPO.glob("[!.]*/README.md"))
+    if p.name != "README.md" or p.parent != REPO)]
 # The default ports a page writes literally; each page gets free ports in their place.
 DEFAULT_PORTS = (50051, 50052, 50053, 9464)
 _PORT = re.compile(r"(?<!\d)(50051|50052|50053|9464)(?!\d)")
