@@ -1,10 +1,10 @@
-"""Every command README.md and docs/*.md show is executed here, as a reader would type it.
+"""Every command the docs show is executed here, as a reader would type it.
 
-The convention the pages follow (fences `sh` and `console`, default addresses, placeholders,
-declared `ci` and `parse-only` fences) is read by support/doc_commands.py. Each page runs
-in a scratch copy of the checkout (symlinks to this one; its own rules/, docs/ and state
-directory with the prepared model), against real servers on free loopback ports: the
-page's own `finsieve serve &`, or one plain server the test starts for the page.
+The convention the pages follow is support/doc_commands.py's docstring. Pages run in
+scratch copies of the checkout (symlinks to this one; their own rules/, docs/, finsieve/v1/
+and state directory with the prepared model) against real servers on free loopback ports:
+one shared by the pages whose server is a plain `finsieve serve &` (a server start costs
+the suite seconds), or a page's own.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def test_pages_follow_the_command_convention() -> None:
     for page in _pages():
         for c in page.commands:
             problems += [f"{c.where}: {p}" for p in _placeholder_problems(page, c)]
-    assert not problems, "see /work/brief/DOCS_COMMANDS.md:\n" + "\n".join(problems)
+    assert not problems, ("see the convention in tests/support/doc_commands.py:\n"
+                          + "\n".join(problems))
 
 
 def _placeholder_problems(page: Page, command: Command) -> list[str]:

@@ -1,11 +1,52 @@
-"""The commands README.md and docs/*.md show, read by the convention of DOCS_COMMANDS below.
+r"""The commands the docs show, read by the convention below; tests/integration/
+test_doc_commands.py executes them. The docs are README.md, the other root pages, docs/*.md
+and each folder's README.md.
 
-A page's commands live in fences: ```sh (commands only) and ```console (`$ command` lines,
-each followed by its expected output). An HTML comment on the line before a fence may
-declare it `<!-- commands: ci -->` (run by CI's `.ci/run`, not by the suite) or
-`<!-- commands: parse-only: REASON -->` (checked for well-formedness only: it needs a GPU,
-other machines, ...). Fences of other languages are not commands; `bash`, `shell` and
-unlabelled fences are refused so that no command escapes the test unnoticed.
+Fences
+  ```sh        every line is a command, run in order; no output shown.
+  ```console   `$ command` lines, each followed by its expected output.
+  Any other language (text, yaml, json, python, mermaid, ...) is not a command: a synopsis
+  such as `finsieve serve [--role all|engine|gateway]` goes in `text`. Fences labelled
+  `bash`, `shell`, `zsh`, `shell-session`, or not labelled, are refused, so that no command
+  escapes the test unnoticed.
+
+Commands
+  One a line; a line ending in `\` continues, a heredoc (`<<'EOF'` ... `EOF`) is one
+  command. Lines starting `#` are skipped. Each runs in its own `bash -c` with pipefail, in
+  the root of a scratch checkout after `make setup`, `.venv/bin` first on PATH: `cd`, shell
+  variables and `export` do not carry to the next line; pass things on in files
+  (`... > acme.key`, then `--key-file acme.key`). Each must exit 0, unless its shown output
+  ends with a line `(exit N)`. `make X` runs as `make -o .venv/.installed X` (setup is
+  done), with MAX_TOKENS=16 for `make run`.
+
+Addresses, state, keys
+  Write the defaults: gateway 127.0.0.1:50051, engine 50052, officers' port 50053, metrics
+  `--metrics-port 9464`; the test moves each to a free port wherever it appears, and points
+  a client command (chat, audit, keys, limits) without `--target` at its default's port.
+  The state directory is the default `.finsieve`; a local server's development keys there
+  are found by loopback clients, so commands need no key.
+
+Servers
+  A command ending in ` &` runs in the background until the page is done (SIGTERM then);
+  after a background `finsieve serve` the test waits for its health check. Pages whose only
+  server is a plain `finsieve serve &` (output redirected or not, `--metrics-port 9464` or
+  not), or that show client commands and no server, share one scratch checkout and one
+  server, in page order (README.md first); after each, rules/ is put back and reloaded. A
+  page whose serve has other flags or variables gets a checkout and servers of its own.
+  Do not rely on timing: a step that needs the server to have seen a change waits for it
+  in the open, e.g. until `chat --json` shows the policy version `rules check` printed.
+
+Expected output (console)
+  Each non-blank shown line must occur in stdout+stderr, in order, other lines between;
+  spaces compare loosely; `...` matches any text, a line `...` marks omitted lines.
+  `<lowercase-name>` matches one run of non-space characters and captures it: a later
+  command containing it gets the value, a later output showing it must show that value.
+  A placeholder no earlier output captured is refused (write real values: `acme`).
+
+Commands the suite does not run: an HTML comment on the line before the fence
+  `<!-- commands: ci -->`                 each command is a line of .ci/run (`make test`).
+  `<!-- commands: parse-only: REASON -->`  it needs a GPU, other machines, your CA...: the
+      test checks it is well-formed (finsieve's parser accepts it; `make -n`; else `--help`).
 """
 
 from __future__ import annotations
