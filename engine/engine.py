@@ -7,9 +7,9 @@ thread runs `step` in a loop:
 
   1. take the inbox: queue new requests (a bounded queue), cancel by (sink, request id);
   2. admit waiting requests into free KV slots; the scheduler picks this step's rows;
-  3. launch the step on the device (on CUDA this returns at once);
-  4. meanwhile, on the CPU, act on the previous step's tokens: each passes its sequence's
-     guard (finsieve.policy.guard) and becomes events;
+  3. launch the step on the device (on CUDA this returns at once; model_runner.py);
+  4. meanwhile, on the CPU, postprocess the previous step's tokens: each sequence's guard
+     (finsieve.policy.guard) judges its token and enforce.py carries the action out;
   5. hand each sink (gateway stream) all of its events at once.
 
 Optimistic decoding: step N+1 is launched before step N's tokens are checked; each of its
@@ -32,14 +32,14 @@ an unbounded mask, which every stream in the batch would wait for.
 
 Every sampled token passes its sequence's guard: accepted, resampled (banned at that
 position and decoded again), rolled back (SAR: the sequence's KV length is set back),
-rewritten or halted. Only that sequence is touched; the batch decodes on. An exception
+rewritten or halted (enforce.py). Only that sequence is touched; the batch decodes on. The
+forward and its runner are built, with their fallbacks, by build.py. An exception
 while handling one sequence fails that sequence alone; a device that no longer computes
 stops the engine (`EngineFailed`), and the server exits so its supervisor restarts it.
 """
 
 from __future__ import annotations
 
-import bisect
 import queue
 import threading
 import time
@@ -51,16 +51,17 @@ import structlog
 import torch
 
 from finsieve.errors import RequestError
-from finsieve.policy.guard import Decision, Guard, Intervention, Policy, Verdict
+from finsieve.policy.guard import MAX_REDRAWS, MAX_RESAMPLES, Guard, Policy
 from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2, engine_pb2
 
 from . import events
-from .events import LATE_REPAIRS, LOOP_SECONDS, ROLLBACKS, STEP_ROWS, STEP_SECONDS, TOKENS, Outbox
-from .hf_runner import HFRunner
+from .build import build
+from .enforce import Enforcer
+from .events import LATE_REPAIRS, LOOP_SECONDS, STEP_ROWS, STEP_SECONDS, TOKENS, Outbox
+from .limits import EngineLimits
 from .loader import LoadedModel
-from .model import SUPPORTED_ARCHITECTURES, CompactLM
-from .model_runner import Launch, ModelRunner, StepRow
+from .model_runner import Launch, StepRow
 from .preparer import Message, Preparer
 from .sampler import noise_key
 from .scheduler import Row, Scheduler
@@ -70,32 +71,7 @@ from .tokens import token_byte_table
 log = structlog.get_logger(__name__)
 
 NO_POLICY = Policy(Pack([]), None, "none")
-MAX_RESAMPLES = 32  # tokens refused at one position; then the sequence halts
-MAX_REDRAWS = 32  # tokens the exact mask refuses at one position (not built); then it halts
 STATS_EVERY_S = 10.0
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_batch: int
-    max_context: int
-    default_max_tokens: int
-    batch_invariant: bool = True
-    max_rollbacks: int = 8
-    max_waiting: int = 256
-    prefill_chunk: int = 2048
-    gpu_memory_utilization: float = 0.9
-    compile: bool = True  # CUDA only
-    cuda_graphs: bool = True  # CUDA only
-    # CUDA only, mixed steps off: where a step's chunks share one forward (on the CPU, and for
-    # the transformers fallback, each chunk runs alone and costs its tokens, so waiting would
-    # gain nothing)
-    prompt_batch_tokens: int = 1024
-    prompt_wait_steps: int = 16
-    prepare_workers: int = 2  # processes that prepare requests (preparer.py); 0: the caller's thread
-    # CUDA only (the compact forward): prompt tokens a step with decode rows feeds as rows of
-    # their forward; 0: off. (On the CPU a prompt's chunks would then depend on the batch.)
-    mixed_tokens: int = 256
 
 
 class EngineFailed(RuntimeError):
@@ -128,7 +104,7 @@ class LLMEngine:
         # Its workers start while the model is built and its graphs captured.
         self.preparer = Preparer(self.tokenizer, self.max_context, limits.prepare_workers)
         try:
-            self.model, self.runner, self.mode = _build(model, limits, device, self.max_context)
+            self.model, self.runner, self.mode = build(model, limits, device, self.max_context)
         except BaseException:
             self.preparer.close()
             raise
@@ -140,6 +116,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
                                    self.max_context, limits.prompt_batch_tokens if batching else 0,
                                    limits.prompt_wait_steps, mixed)
+        self.enforcer = Enforcer(self.scheduler, self._tokenize, self.eos_ids, self.max_context)
         special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         self.token_bytes = token_byte_table(self.tokenizer.get_vocab(), special)
         self._inbox: queue.SimpleQueue[Sequence | _Cancel] = queue.SimpleQueue()
@@ -167,7 +144,7 @@ class LLMEngine:
             temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
             seed=p.seed if p.HasField("seed") else None, stop=tuple(s for s in p.stop if s),
         )
-        guard = Guard(policy, self.token_bytes, self.max_rollbacks)
+        guard = Guard(policy, self.token_bytes, self.max_rollbacks, MAX_RESAMPLES, MAX_REDRAWS)
         return Sequence(request.request_id, sink, ids, sampling, guard,
                         input_events=verdict.events, halted_by_input=verdict.halted)
 
@@ -201,33 +178,18 @@ class LLMEngine:
         except EngineFailed:
             self.failed.set()
 
-    def _report(self) -> None:
-        """What the loop did lately, for operators: counts only, never text."""
-        steps, tokens, busy = self._counts
-        if steps:
-            log.info("engine stats", steps=steps, tokens=tokens,
-                     ms_per_step=round(1000 * busy / steps, 2),
-                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                     late_repairs=int(LATE_REPAIRS._value.get()))
-        self._counts = [0, 0, 0.0]
-
     def step(self) -> bool:
-        """One scheduling round; returns False when there was nothing to do."""
+        """One round: schedule, launch (run), postprocess the previous step's tokens.
+        Returns False when there was nothing to do."""
         out = Outbox()
         wall, cpu = time.perf_counter(), time.thread_time()
         waited = (0.0, 0.0)  # for the device: wall and CPU seconds
         try:
             self._take_inbox(out)
-            for seq in self.scheduler.admit():
-                out.add(seq, events.started(seq, self.model_name))
-                for i in seq.input_events:
-                    out.add(seq, events.policy(seq, i, "input"))
-            rows = self.scheduler.schedule()
-            t = time.perf_counter()
-            launched = self._launch(rows, out) if rows else None
-            self._loop_time["launch"].inc(time.perf_counter() - t)
+            self._admit(out)
+            launched = self._run(self.scheduler.schedule(), out)
             if self._in_flight is not None:
-                waited = self._process(self._in_flight, out)
+                waited = self._postprocess(self._in_flight, out)
             self._in_flight = launched
         finally:
             out.deliver()
@@ -236,15 +198,7 @@ class LLMEngine:
             self._count_loop_time(wall, cpu, waited)
         return bool(out or self._in_flight or len(self.scheduler))
 
-    def _count_loop_time(self, wall: float, cpu: float, waited: tuple[float, float]) -> None:
-        """A step's wall and CPU time split into its wait for the device and the rest (host):
-        wall well above CPU says the loop waited for the GIL or for a core."""
-        wait_wall, wait_cpu = waited
-        loop = self._loop_time
-        loop["device"].inc(wait_wall)
-        loop["device_cpu"].inc(wait_cpu)
-        loop["host"].inc(time.perf_counter() - wall - wait_wall)
-        loop["host_cpu"].inc(max(time.thread_time() - cpu - wait_cpu, 0.0))
+    # -- schedule ---------------------------------------------------------------------
 
     def _take_inbox(self, out: Outbox) -> None:
         while True:
@@ -257,11 +211,9 @@ class LLMEngine:
                         else [s] if (s := self.scheduler.find(item.sink, item.request_id)) else [])
                 for seq in seqs:
                     seq.finish_reason = Finish.CANCELLED
-                    self._finish(seq, out)
+                    self.enforcer.finish(seq, out)
             elif item.halted_by_input:  # an input rule halted it: nothing is decoded
-                out.add(item, events.started(item, self.model_name))
-                for i in item.input_events:
-                    out.add(item, events.policy(item, i, "input"))
+                self._started(item, out)
                 item.finish_reason = Finish.CONTENT_FILTER
                 out.add(item, events.finished(item))
             else:
@@ -269,6 +221,26 @@ class LLMEngine:
                     self.scheduler.add(item)
                 except RequestError as e:
                     out.add(item, e.to_event(item.request_id))
+
+    def _admit(self, out: Outbox) -> None:
+        for seq in self.scheduler.admit():
+            self._started(seq, out)
+
+    def _started(self, seq: Sequence, out: Outbox) -> None:
+        out.add(seq, events.started(seq, self.model_name))
+        for i in seq.input_events:
+            out.add(seq, events.policy(seq, i, "input"))
+
+    # -- run --------------------------------------------------------------------------
+
+    def _run(self, rows: list[Row], out: Outbox) -> _InFlight | None:
+        """Launch the step's rows (on CUDA this returns at once)."""
+        if not rows:
+            return None
+        t = time.perf_counter()
+        launched = self._launch(rows, out)
+        self._loop_time["launch"].inc(time.perf_counter() - t)
+        return launched
 
     def _launch(self, rows: list[Row], out: Outbox) -> _InFlight | None:
         now = time.perf_counter()
@@ -294,17 +266,18 @@ class LLMEngine:
         if row.optimistic:
             # Its exact bans depend on the token it follows, not checked yet: it runs under
             # the policy's base bans, and its token is checked against the exact ones after.
-            bans = _base_bans(seq)
+            bans = seq.guard.base_bans()
         else:
             if seq.bans is None:
-                seq.bans = seq.guard.banned()
-                seq.bans_exact = seq.guard.mask_exact
+                seq.bans, seq.bans_exact = seq.guard.next_bans()
             bans = seq.bans
         return StepRow(seq.slot, row.start, row.tokens, seq.pending_row, row.sample,
                        s.temperature, s.top_k, s.top_p,
                        0 if s.greedy else noise_key(seq.noise_seed, position), bans)
 
-    def _process(self, flight: _InFlight, out: Outbox) -> tuple[float, float]:
+    # -- postprocess ------------------------------------------------------------------
+
+    def _postprocess(self, flight: _InFlight, out: Outbox) -> tuple[float, float]:
         """Act on a finished step's tokens, sequence by sequence; returns the wall and CPU
         seconds it waited for them."""
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -315,7 +288,8 @@ class LLMEngine:
             return 0.0, 0.0
         waited = time.perf_counter() - wall, time.thread_time() - cpu
         acting = time.perf_counter()
-        accepted = self._counts[1]
+        enforcer = self.enforcer
+        accepted = enforcer.accepted
         for seq, (token, first) in zip(flight.seqs, results, strict=True):
             if seq.status is not Status.RUNNING:
                 continue  # cancelled or finished while this step ran
@@ -324,13 +298,17 @@ class LLMEngine:
                 continue
             seq.ahead -= 1
             try:
-                self._on_token(seq, token, first, out)
+                enforcer.on_token(seq, token, first, out)
             except Exception:
                 log.exception("request failed in the engine", request_id=seq.request_id)
                 self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
-        TOKENS.inc(self._counts[1] - accepted)  # once per step: a metric per token costs
+        accepted = enforcer.accepted - accepted
+        self._counts[1] += accepted
+        TOKENS.inc(accepted)  # once per step: a metric per token costs
         self._loop_time["tokens"].inc(time.perf_counter() - acting)
         return waited
+
+    # -- failures ---------------------------------------------------------------------
 
     def _step_failed(self, error: Exception, seqs: list[Sequence], out: Outbox) -> None:
         if not self.runner.healthy():
@@ -344,137 +322,34 @@ class LLMEngine:
             if seq.status is Status.RUNNING:
                 self._fail(seq, out, grpc.StatusCode.INTERNAL, "the engine failed this request")
 
-    # -- one sequence, one token --------------------------------------------------------
-
-    def _on_token(self, seq: Sequence, token: int, first: int, out: Outbox) -> None:
-        """Act on the token sampled for this sequence under its policy's verdict."""
-        guard = seq.guard
-        if token < 0:  # every token banned: nothing left to say that the rules allow
-            self._halt(seq, Decision(Verdict.HALT), out)
-            return
-        bans = seq.bans
-        optimistic = bans is None  # its row was masked by the base bans only
-        if optimistic:
-            if token in guard.bans.get(len(guard.tokens), ()):
-                self._redo(seq, wasted=1)  # banned here since it launched: decode it again
-                return
-            bans = _base_bans(seq)
-        stopped = None
-        if seq.attempts == 0 and first != token and _contains(bans, first):
-            stopped = guard.masked(first)
-        eos = token in self.eos_ids  # (no text: never in a mask)
-        # Sampled without the exact mask (optimistic, or it was over the work limit):
-        # the check asks the exact mask about this one token.
-        unchecked = optimistic or not seq.bans_exact
-        decision = guard.finish() if eos else guard.check(token, exact_mask=unchecked)
-        if decision is None:
-            self._refused(seq, token, out)  # the exact mask bans it
-            return
-        if stopped:
-            out.add(seq, events.policy(seq, stopped))  # the mask steered it
-        if decision.verdict is Verdict.RESAMPLE:
-            out.add(seq, events.policy(seq, _blocked_here(guard, decision)))
-            seq.attempts += 1
-            if seq.attempts >= MAX_RESAMPLES:
-                self._halt(seq, decision, out)
-                return
-            self._redo(seq)  # banned here now: decode this position again
-            return
-        if decision.verdict is Verdict.HALT:
-            self._halt(seq, decision, out)
-            return
-        if decision.verdict is not Verdict.ACCEPT:
-            self._roll_back(seq, decision, out)
-            return
-        seq.append(token, eos)
-        self._counts[1] += 1
-        if not seq.done and seq.context_len >= self.max_context:
-            seq.finish_reason = Finish.LENGTH
-        if seq.done and not eos:
-            # The answer ends here: a regex waiting for more text is settled now.
-            decision = guard.finish()
-            if decision.verdict is Verdict.HALT:
-                self._halt(seq, decision, out)
-                return
-            if decision.verdict is not Verdict.ACCEPT:
-                self._roll_back(seq, decision, out)
-                return
-        if seq.done:
-            self._finish(seq, out)
-            return
-        self._deliver(seq, out)
-        seq.bans = None  # the next position's: computed only if a step needs them
-
-    def _refused(self, seq: Sequence, token: int, out: Outbox) -> None:
-        """The exact mask bans the token sampled: ban it at this position and decode the
-        position again; past MAX_REDRAWS refusals here the sequence halts (fail closed)."""
-        seq.guard.refuse(token)
-        seq.redraws += 1
-        if seq.redraws > MAX_REDRAWS:
-            text, intervention = seq.guard.give_up(
-                "too many tokens refused at one position (FINSIEVE_MASK_WORK_LIMIT)")
-            self._end_filtered(seq, text, intervention, out)
-            return
-        self._redo(seq, wasted=1)
-
-    def _redo(self, seq: Sequence, valid: int | None = None, wasted: int = 0) -> None:
-        """The sequence's next step recomputes from its last token, under its exact bans;
-        steps already launched for it are dropped (counted as late repairs)."""
-        if wasted + seq.ahead:
-            LATE_REPAIRS.inc(wasted + seq.ahead)
-        seq.bans = None
-        seq.redo(valid)
-
-    def _roll_back(self, seq: Sequence, decision: Decision, out: Outbox) -> None:
-        """SAR: the answer goes back to the span's start; the cache keeps what still stands."""
-        intervention = seq.guard.rollback(decision)
-        ROLLBACKS.inc()
-        seq.truncate(decision.keep)
-        valid = seq.context_len
-        if decision.verdict is Verdict.REWRITE:
-            forced = self.tokenizer(decision.text, add_special_tokens=False)["input_ids"]
-            seq.guard.force(forced)
-            seq.extend(forced)
-        self._redo(seq, valid)
-        out.add(seq, events.policy(seq, intervention))
-        self._deliver(seq, out)
-
-    def _halt(self, seq: Sequence, decision: Decision, out: Outbox) -> None:
-        if decision.match is None:  # every token banned: nothing allowed to say
-            text, intervention = "", Intervention("", "halt", seq.guard.delivered_chars,
-                                                  seq.guard.delivered_chars,
-                                                  message="no allowed continuation")
-        else:
-            text, intervention = seq.guard.halt(decision)
-        self._end_filtered(seq, text, intervention, out)
-
-    def _end_filtered(self, seq: Sequence, text: str, intervention: Intervention,
-                      out: Outbox) -> None:
-        """Deliver the safe text, then the intervention; the answer ends (CONTENT_FILTER)."""
-        if text:
-            out.delta(seq, text, 0)
-        out.add(seq, events.policy(seq, intervention))
-        seq.finish_reason = Finish.CONTENT_FILTER
-        self._finish(seq, out)
-
-    def _deliver(self, seq: Sequence, out: Outbox) -> None:
-        delta = seq.take_delta()
-        for i in seq.guard.events:  # redactions just released
-            out.add(seq, events.policy(seq, i))
-        seq.guard.events.clear()
-        if delta is not None:
-            out.delta(seq, *delta)
-
-    def _finish(self, seq: Sequence, out: Outbox) -> None:
-        """Deliver what is left, then Finished; free the slot."""
-        if seq.finish_reason not in (Finish.CANCELLED, Finish.CONTENT_FILTER):
-            self._deliver(seq, out)
-        out.add(seq, events.finished(seq))
-        self.scheduler.release(seq)
-
     def _fail(self, seq: Sequence, out: Outbox, code: grpc.StatusCode, message: str) -> None:
         out.add(seq, events.error(seq.request_id, code, message))
         self.scheduler.release(seq)
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _count_loop_time(self, wall: float, cpu: float, waited: tuple[float, float]) -> None:
+        """A step's wall and CPU time split into its wait for the device and the rest (host):
+        wall well above CPU says the loop waited for the GIL or for a core."""
+        wait_wall, wait_cpu = waited
+        loop = self._loop_time
+        loop["device"].inc(wait_wall)
+        loop["device_cpu"].inc(wait_cpu)
+        loop["host"].inc(time.perf_counter() - wall - wait_wall)
+        loop["host_cpu"].inc(max(time.thread_time() - cpu - wait_cpu, 0.0))
+
+    def _report(self) -> None:
+        """What the loop did lately, for operators: counts only, never text."""
+        steps, tokens, busy = self._counts
+        if steps:
+            log.info("engine stats", steps=steps, tokens=tokens,
+                     ms_per_step=round(1000 * busy / steps, 2),
+                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                     late_repairs=int(LATE_REPAIRS._value.get()))
+        self._counts = [0, 0, 0.0]
 
     # -- synchronous use (tests, benchmarks) ------------------------------------------
 
@@ -485,78 +360,6 @@ class LLMEngine:
         while not sink.finished:
             self.step()
         return sink.events
-
-
-def _build(model: LoadedModel, limits: EngineLimits, device: torch.device,
-           max_context: int) -> tuple[CompactLM | HFRunner, ModelRunner, str]:
-    """The forward and its runner: compiled and in CUDA graphs where that works."""
-    hf = model.hf_model
-    if hf.config.model_type not in SUPPORTED_ARCHITECTURES:
-        log.warning("no compact forward for this architecture; using transformers' forward",
-                    architecture=hf.config.model_type)
-        runner_model = HFRunner(hf, limits.max_batch)
-        return runner_model, ModelRunner(runner_model, device), "transformers"
-    cuda = device.type == "cuda"
-    # On the CPU, fixed matmul tiles make decoding independent of the batch (model.py).
-    row_tile = 8 if not cuda and limits.batch_invariant else 0
-    compact = CompactLM(hf, limits.max_batch, max_context, row_tile,
-                        own_weights=cuda, memory_fraction=limits.gpu_memory_utilization if cuda else None,
-                        prefill_tokens=limits.prefill_chunk,
-                        mixed_tokens=limits.mixed_tokens if cuda else 0)
-    if cuda:
-        log.info("kv cache", slots=compact.n_slots, positions_per_slot=max_context,
-                 gib=round(compact.cache.nbytes / 2**30, 2),
-                 free_gib=round(torch.cuda.mem_get_info(device)[0] / 2**30, 1))
-    attention_kernel, varlen, gemv = compact.attention_kernel, compact.varlen_prefill, compact.gemv
-    # kernels: the Triton decode attention and the varlen flash prefill; one_row: the GEMVs
-    compile_, graphs_ = limits.compile, limits.cuda_graphs
-    tries = [(compile_, graphs_, True, gemv), (compile_, graphs_, True, False),
-             (False, graphs_, True, False), (False, False, True, False),
-             (False, False, False, False)] if cuda else [(False, False, False, False)]
-    for compiled, graphs, kernels, one_row in dict.fromkeys(tries):
-        try:
-            compact.set_compiled(compiled)
-            compact.attention_kernel = attention_kernel and kernels
-            compact.varlen_prefill = varlen and kernels
-            compact.gemv = one_row
-            # Mixed steps need the attention kernel: the per-row SDPA path would run one
-            # attention per prompt token and layer.
-            runner = ModelRunner(compact, device, graphs,
-                                 limits.prefill_chunk if compact.varlen_prefill else 0,
-                                 limits.mixed_tokens if cuda and kernels else 0)
-            if cuda:
-                runner.warm_up()
-        except Exception as e:  # a compiler or capture failure must not stop the service
-            log.warning("falling back", compiled=compiled, cuda_graphs=graphs, kernels=kernels,
-                        gemv_one_row=one_row, error=repr(e)[:800])
-            continue
-        mode = "+".join(["compiled" if compiled else "eager", *(["cuda-graphs"] if graphs else []),
-                         *(["triton-attention"] if kernels else []),
-                         *(["gemv-one-row"] if one_row else []),
-                         *(["varlen-prefill"] if compact.varlen_prefill else []),
-                         *(["prefill-graphs"] if runner.prefill_graphs else []),
-                         *(["mixed-steps"] if runner.mixed_rows else [])])
-        return compact, runner, mode
-    raise RuntimeError("no runner could be built")
-
-
-def _base_bans(seq: Sequence) -> list[int]:
-    """What the policy bans whatever the text: the mask of a row whose text is not known yet."""
-    masks = seq.guard.policy.masks
-    return masks.always_banned if masks is not None else []
-
-
-def _contains(sorted_ids: list[int], token: int) -> bool:
-    i = bisect.bisect_left(sorted_ids, token)
-    return i < len(sorted_ids) and sorted_ids[i] == token
-
-
-def _blocked_here(guard: Guard, decision: Decision) -> Intervention:
-    """A span inside the token just sampled: masked and resampled, nothing recomputed."""
-    m = decision.match
-    assert m is not None
-    at = guard.delivered_chars + len(guard.matcher.render(guard.released, guard.matcher.norm.raw_len))
-    return Intervention(m.rule.id, m.rule.action, at, at, suppressed=m.text)
 
 
 class CollectingSink:

@@ -96,14 +96,12 @@ class Sequence:
     # `bans` is the exact mask; False: the base bans, where the exact one would cost more
     # than FINSIEVE_MASK_WORK_LIMIT (its token is checked exactly, as an optimistic row's)
     bans_exact: bool = True
-    attempts: int = 0  # tokens refused at the current position
-    redraws: int = 0  # tokens sampled under the base bans that the exact mask refused here
     noise_seed: int = 0  # the per-request key of its sampling noise
     admitted_at: float = 0.0
     admitted_step: int = 0
 
     def __post_init__(self) -> None:
-        self.text = IncrementalText(self.guard.token_bytes)
+        self.text = IncrementalText(self.guard.token_table())
         seed = self.sampling.seed
         self.noise_seed = seed if seed is not None else secrets.randbits(63)
 
@@ -113,7 +111,7 @@ class Sequence:
 
     @property
     def policy_version(self) -> str:
-        return self.guard.policy.version
+        return self.guard.version()
 
     @property
     def context_len(self) -> int:
@@ -144,7 +142,6 @@ class Sequence:
     def append(self, token_id: int, is_eos: bool) -> None:
         """Take one generated token the policy accepted; decide whether it ends the answer."""
         self.output_ids.append(token_id)
-        self.attempts = self.redraws = 0
         if is_eos:
             self.finish_reason = Finish.STOP
             return
@@ -170,12 +167,11 @@ class Sequence:
     def truncate(self, keep: int) -> None:
         """Roll the answer back to its first `keep` tokens (SAR)."""
         del self.output_ids[keep:]
-        self.text = IncrementalText(self.guard.token_bytes)
+        self.text = IncrementalText(self.guard.token_table())
         if self.sampling.stop:
             for t in self.output_ids:
                 self.text.add(t)
         self.finish_reason = Finish.NONE
-        self.attempts = self.redraws = 0
 
     def take_delta(self) -> tuple[str, int] | None:
         """The text that became final since the last delta, and the tokens it accounts for."""
@@ -188,8 +184,8 @@ class Sequence:
                 limit = self.text.raw_len  # a stop string may have cut the text here
             elif held := stop_holdback(self.text.text, self.sampling.stop):
                 limit = self.text.raw_offset(len(self.text.text) - held)
-        text = self.guard.release(limit, final=final)
-        tokens_now = len(self.output_ids) if final else self.guard.released_tokens
+        text, released_tokens = self.guard.take(limit, final)
+        tokens_now = len(self.output_ids) if final else released_tokens
         tokens = tokens_now - self.released_tokens
         if not text and not (final and tokens):
             return None

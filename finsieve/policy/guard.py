@@ -16,13 +16,25 @@ mask would ban; the engine bans it at this position (`refuse`) and samples again
 Text is released only up to a token boundary at or before the matcher's safe point, and
 only where no UTF-8 character is split. Every rollback goes back to such a boundary at or
 before the span's start, so nothing released is ever taken back.
+
+The engine asks one question per sampled token, `judge`, and gets back a complete action
+(`Action`): `Accept` (the token stands; the engine records it, then takes the text now
+final with `take` and the redactions released with `take_events`), `Redo` (decode the
+position again: the token was banned here since its row launched, or the exact mask
+refuses it), `Resample` (a block span inside the token: banned here, decoded again),
+`RollBack` (SAR or rewrite: the guard has already gone back to `keep` tokens; the engine
+sets the sequence back and forces `forced` text in, if any) or `Halt` (deliver `text`, then
+the intervention; the answer ends). When the answer ends for another reason (stop, length)
+`settle` says whether it stands. The engine never reads the guard's fields.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .masks import MaskTables, TokenTable
 from .matcher import Match, StreamMatcher
@@ -31,6 +43,8 @@ from .sources import DEFAULT_LIMITS, PackLimits
 
 # Which action wins when one token completes several matches.
 _PRIORITY = {"halt": 0, "block": 1, "rewrite": 2, "redact": 3}
+MAX_RESAMPLES = 32  # tokens refused at one position; then the sequence halts
+MAX_REDRAWS = 32  # tokens the exact mask refuses at one position (not built); then it halts
 
 
 @dataclass(frozen=True)
@@ -86,11 +100,60 @@ class Decision:
 ACCEPT = Decision(Verdict.ACCEPT)
 
 
+# -- what the engine does with a sampled token (judge's answer) ------------------------------
+# Tuples: one is returned per token. `events` are sent before anything else the action does.
+
+
+class Accept(NamedTuple):
+    """The token stands."""
+
+    events: tuple[Intervention, ...] = ()  # the mask steered the model off its first choice
+
+
+class Redo(NamedTuple):
+    """Decode this position again, under its exact bans; `wasted` rows were computed for it
+    in vain (late repairs)."""
+
+    wasted: int = 0
+
+
+class Resample(NamedTuple):
+    """A block span lies inside the token just sampled: it is banned here; decode again."""
+
+    events: tuple[Intervention, ...]
+
+
+class RollBack(NamedTuple):
+    """SAR or rewrite: the guard now stands at `keep` output tokens; the sequence goes back
+    there, the text `forced` (a rewrite; None for a rollback) is put into its context, and
+    decoding goes on. `intervention` follows `events`, before any text now released."""
+
+    keep: int
+    forced: str | None
+    intervention: Intervention
+    events: tuple[Intervention, ...] = ()
+
+
+class Halt(NamedTuple):
+    """Deliver `text` (what was safe), then `intervention`; the answer ends CONTENT_FILTER."""
+
+    text: str
+    intervention: Intervention
+    events: tuple[Intervention, ...] = ()
+
+
+Action = Accept | Redo | Resample | RollBack | Halt
+ACCEPTED = Accept()  # most tokens: nothing to say
+REDO_WASTED = Redo(1)
+
+
 @dataclass
 class Guard:
     policy: Policy
     token_bytes: list[bytes]
     max_rollbacks: int = 8
+    max_resamples: int = MAX_RESAMPLES
+    max_redraws: int = MAX_REDRAWS
     matcher: StreamMatcher = field(init=False)
     tokens: list[int] = field(default_factory=list)  # output tokens fed, in order
     bans: dict[int, set[int]] = field(default_factory=dict)  # position -> banned token ids
@@ -100,16 +163,26 @@ class Guard:
     delivered_chars: int = 0
     events: list[Intervention] = field(default_factory=list)  # not yet sent
     mask_exact: bool = True  # the last banned() list is the exact mask (else the base bans)
+    attempts: int = 0  # tokens refused at the current position (resamples)
+    redraws: int = 0  # tokens sampled under the base bans that the exact mask refused here
 
     def __post_init__(self) -> None:
         self.matcher = StreamMatcher(self.policy.pack.output)
 
     # -- before sampling ------------------------------------------------------------------
 
-    def banned(self) -> list[int]:
-        """Token ids that may not be sampled next: the exact mask, or, where it would cost
-        more than the work limit, the base bans (then mask_exact is False and the token
-        sampled must be checked with exact_mask=True). Both with this position's own bans."""
+    def version(self) -> str:
+        """The policy version this guard enforces."""
+        return self.policy.version
+
+    def token_table(self) -> list[bytes]:
+        """Each token id's bytes, as the guard reads them."""
+        return self.token_bytes
+
+    def next_bans(self) -> tuple[list[int], bool]:
+        """The sorted token ids that may not be sampled next, and whether they are the exact
+        mask: where it would cost more than the work limit, they are the base bans, and the
+        token sampled must be judged with exact=False. Both with this position's own bans."""
         position = len(self.tokens)
         masks = self.policy.masks
         ids: list[int] = []
@@ -119,7 +192,17 @@ class Guard:
             self.mask_exact = exact is not None
             ids = exact if exact is not None else masks.always_banned
         extra = self.bans.get(position)
-        return sorted(set(ids) | extra) if extra else ids
+        return (sorted(set(ids) | extra) if extra else ids), self.mask_exact
+
+    def banned(self) -> list[int]:
+        """next_bans' ids (mask_exact says which list they are)."""
+        return self.next_bans()[0]
+
+    def base_bans(self) -> list[int]:
+        """What the policy bans whatever the text: the mask of a row whose text is not known
+        yet (an optimistic row, decoded before its previous token was judged)."""
+        masks = self.policy.masks
+        return masks.always_banned if masks is not None else []
 
     def refuse(self, token: int) -> None:
         """The exact mask bans `token` at this position (check said None): ban it here."""
@@ -136,6 +219,83 @@ class Guard:
         return Intervention(m.rule.id, "block", at, at, suppressed=m.text)
 
     # -- after sampling -------------------------------------------------------------------
+
+    def judge(self, token: int, first: int, row_bans: list[int] | None, exact: bool,
+              eos: bool) -> Action:
+        """What to do with `token`, sampled under `row_bans` (None: an optimistic row, under
+        the base bans; exact: they were the exact mask); `first`: the model's choice before
+        the mask; eos: the token ends the answer (it has no text)."""
+        if token < 0:  # every token banned: nothing left to say that the rules allow
+            return self._nothing_allowed()
+        optimistic = row_bans is None
+        if row_bans is None:
+            if token in self.bans.get(len(self.tokens), ()):
+                return REDO_WASTED  # banned here since its row launched: decode it again
+            masks = self.policy.masks  # base_bans(), inlined: asked for most tokens
+            row_bans = masks.always_banned if masks is not None else []
+        steered = None
+        if self.attempts == 0 and first != token:
+            i = bisect.bisect_left(row_bans, first)
+            if i < len(row_bans) and row_bans[i] == first:
+                steered = self.masked(first)
+        # Sampled without the exact mask (optimistic, or it was over the work limit): the
+        # check asks the exact mask about this one token.
+        decision = self.finish() if eos else self.check(token, exact_mask=optimistic or not exact)
+        if decision is None:
+            return self._refused(token)  # the exact mask bans it
+        events: tuple[Intervention, ...] = (steered,) if steered is not None else ()
+        verdict = decision.verdict
+        if verdict is Verdict.ACCEPT:
+            self.attempts = self.redraws = 0
+            return Accept(events) if events else ACCEPTED
+        if verdict is Verdict.RESAMPLE:
+            events += (self.blocked_here(decision),)
+            self.attempts += 1
+            if self.attempts >= self.max_resamples:
+                return self._halted(decision, events)
+            return Resample(events)
+        return self._acted(decision, events)
+
+    def settle(self) -> Action:
+        """The answer ends here, not by EOS (a stop string, its length): a regex waiting for
+        more text is settled now. Accept, RollBack or Halt."""
+        decision = self.finish()
+        if decision.verdict is Verdict.ACCEPT:
+            return ACCEPTED
+        return self._acted(decision, ())
+
+    def _acted(self, decision: Decision, events: tuple[Intervention, ...]) -> Action:
+        """A HALT, ROLLBACK or REWRITE decision carried out on the guard's own state."""
+        if decision.verdict is Verdict.HALT:
+            return self._halted(decision, events)
+        forced = decision.text if decision.verdict is Verdict.REWRITE else None
+        return RollBack(decision.keep, forced, self.rollback(decision), events)
+
+    def _halted(self, decision: Decision, events: tuple[Intervention, ...]) -> Halt:
+        text, intervention = self.halt(decision)
+        return Halt(text, intervention, events)
+
+    def _nothing_allowed(self) -> Halt:
+        at = self.delivered_chars
+        return Halt("", Intervention("", "halt", at, at, message="no allowed continuation"))
+
+    def _refused(self, token: int) -> Action:
+        """The exact mask bans the token sampled: ban it at this position and decode the
+        position again; past max_redraws refusals here the answer halts (fail closed)."""
+        self.refuse(token)
+        self.redraws += 1
+        if self.redraws > self.max_redraws:
+            text, intervention = self.give_up(
+                "too many tokens refused at one position (FINSIEVE_MASK_WORK_LIMIT)")
+            return Halt(text, intervention)
+        return REDO_WASTED
+
+    def blocked_here(self, decision: Decision) -> Intervention:
+        """A span inside the token just sampled: masked and resampled, nothing recomputed."""
+        m = decision.match
+        assert m is not None
+        at = self.delivered_chars + len(self.matcher.render(self.released, self.matcher.norm.raw_len))
+        return Intervention(m.rule.id, m.rule.action, at, at, suppressed=m.text)
 
     def check(self, token: int, exact_mask: bool = False) -> Decision | None:
         """Feed a sampled token; decide what happens to it. exact_mask: it was sampled under
@@ -228,6 +388,7 @@ class Guard:
         self.matcher.rollback(keep)
         del self.tokens[keep:]
         self.rollbacks += 1
+        self.attempts = self.redraws = 0  # a new position
         return Intervention(m.rule.id, m.rule.action, at, end, rolled_back=True,
                             tokens_recomputed=recomputed, suppressed=suppressed)
 
@@ -254,6 +415,20 @@ class Guard:
                                   self.delivered_chars, message=reason, suppressed=suppressed)
 
     # -- releasing text -------------------------------------------------------------------
+
+    def take(self, limit: int | None, final: bool) -> tuple[str, int]:
+        """release(limit, final), and the output tokens wholly inside the text released so
+        far (the text may end inside a token; final: that does not matter, the caller
+        counts every token)."""
+        return self.release(limit, final), self.released_tokens
+
+    def take_events(self) -> list[Intervention]:
+        """The redactions released since the last call, in order (the caller sends them)."""
+        events = self.events
+        if not events:
+            return events  # (most tokens: no new list)
+        self.events = []
+        return events
 
     def release(self, limit: int | None = None, final: bool = False) -> str:
         """Text that is now final (redactions applied), up to `limit` raw bytes if given."""
