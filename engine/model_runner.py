@@ -1,7 +1,10 @@
 """Device state and one step on it: inputs, the forward, the rules' mask, the sample.
 
-`launch` starts a step and returns at once on CUDA: the decode rows run as one CUDA graph
-(captured at start-up per batch-size bucket, over persistent input buffers) and prefill
+`launch` starts a step and returns at once on CUDA, in four parts: plan (which rows decode,
+which are prefill chunks, in which order they sample, whether the step is mixed), stage
+(every integer the step needs goes to the device in one copy), forward (the logits) and
+sample (then the device-to-host copy). The decode rows run as one CUDA graph (captured at
+start-up per batch-size bucket, over persistent input buffers; cuda_graphs.py) and prefill
 chunks as one prefill forward (a graph per token bucket), or both together as one mixed
 step (the chunks' tokens as more rows of the decode graph: the weights read once), then
 one batched mask and sample over every row, and one device-to-host copy of the sampled ids
@@ -17,7 +20,6 @@ eager op costs the host ~10-20 us to issue, and at 128 rows the host sets the pa
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,16 +30,11 @@ import structlog
 import torch
 from torch import Tensor
 
-from .attention import VarlenKeys, chunk_groups, gdc_launch_dependents, gdc_wait, overlapped
-from .cuda_graphs import capture
+from .attention import chunk_groups
+from .cuda_graphs import DecodeGraphs, PrefillGraphs, padded
+from .embed import optimistic_ids
 from .model import prefill_arrays
-from .sampler import BanIndex, DeviceParams, SamplingRows, sample, sample_greedy
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU build of torch ships no Triton
-    triton = None
+from .sampler import BanIndex, DeviceParams, SamplingRows, sample
 
 log = structlog.get_logger(__name__)
 
@@ -78,203 +75,27 @@ class Launch:
         return list(zip(tokens, first, strict=True))
 
 
-class DecodeGraphs:
-    """The decode step captured once per batch-size bucket; padding rows write to the
-    cache's scratch slot. mixed_tokens > 0: the mixed step too (decode rows, then the tokens
-    of prefill chunks as rows; model.decode with heads), per bucket of rows up to max_rows +
-    mixed_tokens, its logits those of at most max_rows rows (the most a step samples).
+class _Plan(NamedTuple):
+    """A step as the device will run it."""
 
-    A graph also feeds its optimistic rows the previous step's samples (`prev`, which it
-    then overwrites with its own greedy sample: the runner writes there instead when the
-    step was masked or sampled) and returns that greedy sample (`sample` without bans or
-    parameters) beside the logits."""
-
-    def __init__(self, model, max_rows: int, mixed_tokens: int = 0) -> None:
-        self.model = model
-        self.buckets = sorted({*(b for b in (1, 2, 4, 8) if b < max_rows),
-                               *range(16, max_rows, 16), max_rows})
-        most = max_rows + mixed_tokens
-        # Past max_rows a mixed step is mostly prompt tokens, compute-bound: coarser buckets
-        # (half the graphs) cost its padding rows little. Multiples of 32, so that a step the
-        # scheduler ends at a whole matmul tile (MIXED_TILE, a multiple of 32) is not padded
-        # into the next.
-        self.mixed_buckets = sorted({*range(16, min(max_rows, most), 16), max_rows,
-                                     *range(-(-max_rows // 32) * 32, most, 32), most}) if mixed_tokens else []
-        self.max_heads = max_rows
-        # ids, positions, slots, from-previous flag, previous row (as _decode_inputs lays out)
-        self.inputs = torch.zeros(5, most, dtype=torch.long, device=model.device)
-        self.inputs[2].fill_(model.cache.scratch)
-        self.heads = torch.zeros(max_rows, dtype=torch.long, device=model.device)
-        self.groups = torch.zeros(2, most, dtype=torch.long, device=model.device)
-        self.prev = torch.zeros(max_rows, dtype=torch.long, device=model.device)
-        # captured in each graph (bench_one_row times them against the torch ops they replaced)
-        self.embed_rows, self.greedy = embed_rows, sample_greedy
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
-
-    def bucket(self, rows: int, mixed: bool = False) -> int:
-        return next(b for b in (self.mixed_buckets if mixed else self.buckets) if b >= rows)
-
-    def head_rows(self, size: int) -> int:
-        """The logits rows of mixed bucket `size`."""
-        return min(size, self.max_heads)
-
-    def capture(self) -> None:
-        pool = None  # one for both kinds: a step replays one graph, then samples its logits
-        shapes = [(size, False) for size in self.buckets] + [(size, True) for size in self.mixed_buckets]
-        for size, mixed in sorted(shapes, reverse=True):  # largest first: the smaller reuse its memory
-            heads, groups = (self.heads[: self.head_rows(size)], self.groups[:, :size]) if mixed \
-                else (None, None)
-            graph, out = capture(functools.partial(self._step, size, heads, groups), pool)
-            pool = graph.pool()
-            self._graphs[size, mixed] = (graph, out)
-        torch.cuda.synchronize()
-
-    def _step(self, size: int, heads: Tensor | None, groups: Tensor | None) -> tuple[Tensor, Tensor]:
-        inputs = self.inputs[:, :size]
-        x, lengths = self.embed_rows(inputs, self.prev, self.model.embed)
-        logits = self.model.decode_embedded(x, inputs[1], lengths, inputs[2], heads, groups)
-        return logits, self.greedy(logits, self.prev)
-
-    def run(self, inputs: Tensor, rows: int, heads: Tensor | None = None,
-            groups: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """inputs: (5, bucket) as _decode_inputs lays them out, padding included; heads and
-        groups (mixed): the rows whose logits are wanted, padded to the bucket's head_rows,
-        and the rows' attention groups, (2, bucket). The logits of the first `rows` rows and
-        their greedy sample, (2, rows) as `sample` returns it."""
-        size = inputs.shape[1]
-        self.inputs[:, :size].copy_(inputs)
-        if heads is not None:
-            self.heads[: heads.numel()].copy_(heads)
-            self.groups[:, :size].copy_(groups)
-        graph, (logits, greedy) = self._graphs[size, heads is not None]
-        graph.replay()
-        return logits[:rows], greedy[:, :rows]
+    order: list[int]  # the launched rows' index per sample row: decode rows first
+    decode_rows: list[StepRow]
+    chunks: list[tuple[int, int, list[int]]]  # the prefill chunks: slot, start, tokens
+    chunk_sampled: list[bool]
+    params: SamplingRows
+    mixed: bool  # the chunks' tokens ride as rows of the decode forward
+    graphed: tuple[int, np.ndarray] | None  # the prefill graph's bucket and its inputs
 
 
-def optimistic_ids(inputs: Tensor, prev: Tensor) -> Tensor:
-    """A decode step's token ids from its inputs (5, rows) as _decode_inputs lays them out:
-    an optimistic row's is the previous step's sample prev[previous row]; one that had
-    nothing allowed sampled -1: fed as token 0, its result is dropped."""
-    ids, _, _, ahead, prev_row = inputs
-    return torch.where(ahead.bool(), prev[prev_row].clamp(min=0), ids)
+class _Staged(NamedTuple):
+    """A step's inputs on the device."""
 
-
-def embed_rows(inputs: Tensor, prev: Tensor, embed: Tensor) -> tuple[Tensor, Tensor]:
-    """A decode step's rows as the model takes them: each row's embedding (of its
-    optimistic_ids) and its length, positions + 1. On CUDA one kernel: as torch ops, the
-    head of every decode graph was six kernels (0.4% of a one-row step on an H200,
-    bench_one_row.py)."""
-    if not inputs.is_cuda or triton is None:
-        return embed[optimistic_ids(inputs, prev)], inputs[1] + 1
-    rows, hidden = inputs.shape[1], embed.shape[1]
-    assert inputs.dtype == prev.dtype == torch.long and inputs.stride(1) == prev.stride(0) == 1
-    assert embed.is_contiguous()
-    x = torch.empty(rows, hidden, device=embed.device, dtype=embed.dtype)
-    lengths = torch.empty(rows, device=embed.device, dtype=torch.long)
-    _embed_rows_kernel[(rows,)](inputs, inputs.stride(0), prev, embed, x, lengths, hidden,
-                                embed.shape[0], BLOCK=min(triton.next_power_of_2(hidden), 4096),
-                                **overlapped(embed))
-    return x, lengths
-
-
-if triton is not None:
-
-    @triton.jit
-    def _embed_rows_kernel(Inputs, stride, Prev, Embed, X, Lengths, hidden, vocab,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        row = tl.program_id(0)
-        ahead = tl.load(Inputs + 3 * stride + row) != 0
-        previous = tl.load(Prev + tl.load(Inputs + 4 * stride + row))  # row 0 when not ahead
-        token = tl.where(ahead, tl.maximum(previous, 0), tl.load(Inputs + row))
-        # Every id is the tokenizer's or the sampler's, below vocab: the bound only keeps the
-        # read inside the table whatever a buffer holds.
-        token = tl.minimum(tl.maximum(token, 0), vocab - 1)
-        tl.store(Lengths + row, tl.load(Inputs + stride + row) + 1)
-        for h0 in range(0, hidden, BLOCK):
-            h = h0 + tl.arange(0, BLOCK)
-            tl.store(X + row.to(tl.int64) * hidden + h,
-                     tl.load(Embed + token * hidden + h, mask=h < hidden), mask=h < hidden)
-
-
-class PrefillGraphs:
-    """The prefill forward captured once per token bucket (CUDA, varlen attention): issuing
-    a prefill forward eagerly costs the host ~20 ms whatever its size up to ~1,000 tokens
-    (the compiled layers' wrappers and guards, bench_gpu.py --phases profile), more than
-    the device takes for a few hundred tokens, and a stream's first token waited for it.
-
-    Every shape is fixed per bucket of T tokens: K = T + a slot's positions gathered keys
-    (so one chunk can continue anywhere in its slot) and C chunks. A step's chunks come
-    first; a dummy chunk in the scratch slot takes the padding tokens (at position 0) and
-    keys (as many as its queries or more, so each has a key), and empty chunks fill the
-    rest. A step with more cached keys before its chunks than a slot holds, or more chunks
-    than the largest bucket takes, runs eagerly."""
-
-    def __init__(self, model, max_tokens: int) -> None:
-        self.model = model
-        self.scratch = model.cache.scratch
-        self.cached_keys = model.cache.max_len  # K - T
-        # 64 apart from 256 to 512 tokens, where a step costs about what it computes: one
-        # prompt's prefill from its graph on an H200 took 8.34 / 8.49 / 10.38 / 11.61 / 12.55
-        # / 12.97 ms at 192 / 256 / 320 / 384 / 448 / 512 tokens (no faster under 256).
-        self.buckets = sorted({*(b for b in (64, 128, 256, 320, 384, 448, 512, 768, 1024, 1536)
-                                 if b < max_tokens), max_tokens})
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
-
-    def shape(self, t: int) -> tuple[int, int, int]:
-        """(T, K, C) of bucket t."""
-        return t, t + self.cached_keys, min(self.model.n_slots, max(t // 16, 16)) + 1
-
-    def layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool]
-               ) -> tuple[int, np.ndarray] | None:
-        """The smallest bucket that takes the step, and its inputs as one int64 array; None
-        when none does."""
-        n_tokens, cached = sum(len(toks) for _, _, toks in chunks), sum(s for _, s, _ in chunks)
-        if cached > self.cached_keys:
-            return None
-        for t in self.buckets:
-            if t >= n_tokens and len(chunks) < self.shape(t)[2]:  # the dummy chunk's place too
-                return t, self._layout(chunks, sample, t)
-        return None
-
-    def _layout(self, chunks: list[tuple[int, int, list[int]]], sample: list[bool], t: int) -> np.ndarray:
-        """The eager prefill's host arrays (ids, positions and slots per token; the sampled
-        rows; key slots and positions; cumulative query and key counts), each padded to the
-        bucket: the dummy chunk follows the step's."""
-        t, k, c = self.shape(t)
-        ids, positions, slots, last = prefill_arrays(chunks, sample)
-        key_slots, key_positions, cu_q, cu_k = VarlenKeys.host_arrays(
-            [(slot, start, len(toks)) for slot, start, toks in chunks])
-        scratch = self.scratch
-        return np.concatenate([_padded(ids, t, 0), _padded(positions, t, 0), _padded(slots, t, scratch),
-                               _padded(last, c, 0), _padded(key_slots, k, scratch),
-                               _padded(key_positions, k, 0), _padded(cu_q, c + 1, t),
-                               _padded(cu_k, c + 1, k)])
-
-    def capture(self) -> None:
-        pool = None  # its own: the decode graph's logits are still to be sampled after a replay
-        for t in reversed(self.buckets):  # largest first: the smaller reuse its memory
-            inputs = torch.from_numpy(self._layout([], [], t)).to(self.model.device)  # padding alone
-            graph, out = capture(functools.partial(self._forward, inputs, t), pool)
-            pool = graph.pool()
-            self._graphs[t] = (graph, inputs, out)
-        torch.cuda.synchronize()
-
-    def run(self, t: int, inputs: Tensor, sampled: int) -> Tensor:
-        """inputs: bucket t's layout on the device; the logits of the `sampled` chunks."""
-        graph, static, out = self._graphs[t]
-        static.copy_(inputs)
-        graph.replay()
-        return out[:sampled]
-
-    def _forward(self, inputs: Tensor, t: int) -> Tensor:
-        t, k, c = self.shape(t)
-        ids, positions, slots, last, key_slots, key_positions, cu_q, cu_k = inputs.split(
-            [t, t, t, c, k, k, c + 1, c + 1])
-        keys = VarlenKeys(key_slots, key_positions, cu_q.int(), cu_k.int(), t, k)
-        return self.model.forward_prefill(ids, positions, slots, last, keys)
+    inputs: Tensor | None  # the decode rows', (5, bucket)
+    heads: Tensor | None  # a mixed step's logits rows
+    groups: Tensor | None  # a mixed step's attention groups
+    bans: Tensor | None
+    params: DeviceParams | None  # None: every row greedy
+    prefill: Tensor | None  # the prefill graph's inputs
 
 
 class _Staging:
@@ -377,59 +198,93 @@ class ModelRunner:
         return self.n_slots + self.mixed_tokens if self.mixed_tokens else 0
 
     def launch(self, rows: list[StepRow]) -> Launch:
+        """Start a step (on CUDA it runs on while this returns); Launch.tokens waits for it."""
         self._staging.next_step()
+        plan = self._plan(rows)
+        staged = self._stage(plan)
+        logits, greedy = self._forward(plan, staged)
+        if not plan.order:
+            return Launch(plan.order)
+        return self._sample(plan.order, logits, greedy, staged)
+
+    def _plan(self, rows: list[StepRow]) -> _Plan:
         decode = [i for i, r in enumerate(rows) if r.sample and len(r.tokens) <= 1]
         in_decode = set(decode)
-        prefill = [i for i in range(len(rows)) if i not in in_decode]
-        order = decode + [i for i in prefill if rows[i].sample]
-        sampled = [rows[i] for i in order]
-        params = SamplingRows([r.temperature for r in sampled], [r.top_k for r in sampled],
-                              [r.top_p for r in sampled], [r.key for r in sampled],
-                              [r.bans for r in sampled])
-        chunks = [(rows[i].slot, rows[i].start, rows[i].tokens) for i in prefill]
-        chunk_sampled = [rows[i].sample for i in prefill]
+        prefill = [rows[i] for i in range(len(rows)) if i not in in_decode]
+        order = decode + [i for i in range(len(rows)) if i not in in_decode and rows[i].sample]
+        chunks = [(r.slot, r.start, r.tokens) for r in prefill]
+        chunk_sampled = [r.sample for r in prefill]
+        mixed, graphed = self._prefill_kind(len(decode), chunks, chunk_sampled)
+        return _Plan(order, [rows[i] for i in decode], chunks, chunk_sampled,
+                     _sampling_rows([rows[i] for i in order]), mixed, graphed)
+
+    def _prefill_kind(self, n_decode: int, chunks: list[tuple[int, int, list[int]]],
+                      chunk_sampled: list[bool]) -> tuple[bool, tuple[int, np.ndarray] | None]:
+        """How the chunks run: as rows of the decode forward (mixed), or in a prefill graph
+        (its bucket and inputs), or neither (eagerly)."""
         # Decode rows and a few prefill tokens: one forward, the weights read once for both.
-        mixed = bool(decode and prefill) and \
-            len(decode) + sum(len(toks) for _, _, toks in chunks) <= self.mixed_rows
+        mixed = bool(n_decode and chunks) and \
+            n_decode + sum(len(toks) for _, _, toks in chunks) <= self.mixed_rows
         graphed = self.prefill_graphs.layout(chunks, chunk_sampled) \
-            if prefill and not mixed and self.prefill_graphs is not None else None
-        # Every integer the step needs goes to the device in one copy.
-        decode_rows = [rows[i] for i in decode]
-        parts = self._decode_inputs(decode_rows, chunks if mixed else [], chunk_sampled) \
+            if chunks and not mixed and self.prefill_graphs is not None else None
+        return mixed, graphed
+
+    def _stage(self, plan: _Plan) -> _Staged:
+        """Every integer the step needs goes to the device in one copy (its floats in one
+        more); device views of each part."""
+        decode, params = plan.decode_rows, plan.params
+        parts = self._decode_inputs(decode, plan.chunks if plan.mixed else [], plan.chunk_sampled) \
             if decode else []
-        flat_bans = self._bans.flat(params.bans) if order else None
+        flat_bans = self._bans.flat(params.bans) if plan.order else None
         if flat_bans is not None:
             parts.append(flat_bans.reshape(-1))
         if params.sampled:
             parts.append(np.asarray([params.top_k, params.keys], dtype=np.int64).reshape(-1))
-        if graphed is not None:
-            parts.append(graphed[1])
-        staged = self._staging.put(parts, torch.long) if parts else []
-        logits, greedy = [], None
+        if plan.graphed is not None:
+            parts.append(plan.graphed[1])
+        staged = iter(self._staging.put(parts, torch.long) if parts else [])
+        inputs = heads = groups = None
         if decode:
-            inputs = staged.pop(0).view(5, -1)
-            heads, groups = (staged.pop(0), staged.pop(0).view(2, -1)) if mixed else (None, None)
-            decoded, greedy = self._decode(decode_rows, inputs, heads, groups, len(order))
-            logits.append(decoded)
-        bans = staged.pop(0).view(2, -1) if flat_bans is not None else None
+            inputs = next(staged).view(5, -1)
+            if plan.mixed:
+                heads, groups = next(staged), next(staged).view(2, -1)
+        bans = next(staged).view(2, -1) if flat_bans is not None else None
         device_params = None
         if params.sampled:
-            ints = staged.pop(0).view(2, -1)
+            ints = next(staged).view(2, -1)
             floats = self._staging.put([np.asarray([params.temperature, params.top_p],
                                                    dtype=np.float32).reshape(-1)], torch.float32)[0]
             floats = floats.view(2, -1)
             device_params = DeviceParams(floats[0], floats[1], ints[0], ints[1], params.filtered)
-        if graphed is not None:
-            logits.append(self.prefill_graphs.run(graphed[0], staged.pop(0), sum(chunk_sampled)))
-        elif prefill and not mixed:
-            logits.append(self.model.prefill(chunks, chunk_sampled))
-        logits = [x for x in logits if x.shape[0]]
-        if not order:
-            return Launch(order)
-        if greedy is not None and len(logits) == 1 and bans is None and device_params is None:
+        prefill = next(staged) if plan.graphed is not None else None
+        return _Staged(inputs, heads, groups, bans, device_params, prefill)
+
+    def _forward(self, plan: _Plan, staged: _Staged) -> tuple[list[Tensor], Tensor | None]:
+        """The logits of the step's sampled rows in its order, in parts (the decode rows'
+        first), and the decode graph's greedy sample of its rows (None without a graph)."""
+        logits, greedy = [], None
+        if plan.decode_rows:
+            assert staged.inputs is not None
+            decoded, greedy = self._decode(plan.decode_rows, staged.inputs, staged.heads,
+                                           staged.groups, len(plan.order))
+            logits.append(decoded)
+        if plan.graphed is not None:
+            assert self.prefill_graphs is not None and staged.prefill is not None
+            logits.append(self.prefill_graphs.run(plan.graphed[0], staged.prefill,
+                                                  sum(plan.chunk_sampled)))
+        elif plan.chunks and not plan.mixed:
+            logits.append(self.model.prefill(plan.chunks, plan.chunk_sampled))
+        return [x for x in logits if x.shape[0]], greedy
+
+    def _sample(self, order: list[int], logits: list[Tensor], greedy: Tensor | None,
+                staged: _Staged) -> Launch:
+        """One batched mask and sample over every row, then one device-to-host copy of the
+        sampled ids (into pinned memory, two buffers in turn)."""
+        if greedy is not None and len(logits) == 1 and staged.bans is None and staged.params is None:
             out = greedy  # the graph sampled the step and kept it in graphs.prev
         else:
-            out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), device_params, bans)
+            out = sample(logits[0] if len(logits) == 1 else torch.cat(logits), staged.params,
+                         staged.bans)
             if self.graphs is not None:
                 self.graphs.prev[: out.shape[1]].copy_(out[0])
         self._prev = out[0]
@@ -468,7 +323,7 @@ class ModelRunner:
         width = self.graphs.head_rows(size) if self.graphs else heads.size
         groups = chunk_groups(n_decode, [len(toks) for _, _, toks in chunks],
                               self.model.chunk_tokens, size)
-        return [out.reshape(-1), _padded(heads, width, 0), groups.reshape(-1)]
+        return [out.reshape(-1), padded(heads, width, 0), groups.reshape(-1)]
 
     def _decode(self, rows: list[StepRow], inputs: Tensor, heads: Tensor | None,
                 groups: Tensor | None, sampled: int) -> tuple[Tensor, Tensor | None]:
@@ -477,7 +332,10 @@ class ModelRunner:
         logit_rows = len(rows) if heads is None else sampled
         if self.graphs is not None:
             return self.graphs.run(inputs, logit_rows, heads, groups)
-        ids = optimistic_ids(inputs, self._prev) if any(not r.tokens for r in rows) else inputs[0]
+        ids = inputs[0]
+        if any(not r.tokens for r in rows):  # optimistic rows: a launch sampled before
+            assert self._prev is not None
+            ids = optimistic_ids(inputs, self._prev)
         if heads is None:  # (the transformers fallback takes no heads)
             return self.model.decode(ids, inputs[1], inputs[2]), None
         return self.model.decode(ids, inputs[1], inputs[2], heads, groups)[:logit_rows], None
@@ -507,5 +365,8 @@ class ModelRunner:
             return False
 
 
-def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    return np.concatenate([values, np.full(size - values.size, fill, dtype=np.int64)])
+def _sampling_rows(sampled: list[StepRow]) -> SamplingRows:
+    """The sampled rows' parameters, column by column."""
+    return SamplingRows([r.temperature for r in sampled], [r.top_k for r in sampled],
+                        [r.top_p for r in sampled], [r.key for r in sampled],
+                        [r.bans for r in sampled])

@@ -265,7 +265,7 @@ def test_the_decode_graphs_head_kernel_gathers_as_the_torch_ops():
     bucket's columns of a wider buffer, optimistic rows taking shuffled previous rows, one
     of them a -1 sample (fed as token 0), rows fed from the host between them, and a hidden
     size of more than one block and no multiple of it."""
-    from engine.model_runner import embed_rows, optimistic_ids
+    from engine.embed import embed_rows, optimistic_ids
 
     torch.manual_seed(0)
     vocab, hidden, most, rows = 1000, 4096 + 77, 24, 19

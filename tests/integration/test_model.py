@@ -218,7 +218,7 @@ def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(engine,
     chunks, padding in a dummy chunk of the scratch slot) give the logits and the cache of
     the eager prefill, and write nothing outside the chunks' slots but the scratch slot."""
     from engine import model as model_module
-    from engine.model_runner import PrefillGraphs
+    from engine.cuda_graphs import PrefillGraphs
 
     model = engine.model
     monkeypatch.setattr(model_module, "varlen_prefill", _varlen_reference)
@@ -246,7 +246,7 @@ def test_a_step_takes_the_smallest_prefill_bucket_that_holds_it(engine):
     """Tokens exactly a bucket, a chunk continuing at the end of its slot, a chunk for every
     slot; eager when no bucket can: more tokens than the largest, more cached keys than a
     slot holds, more chunks than the largest takes."""
-    from engine.model_runner import PrefillGraphs
+    from engine.cuda_graphs import PrefillGraphs
 
     graphs = PrefillGraphs(engine.model, 256)  # buckets 64, 128, 256; 8 slots: 9 chunks at most
     end = engine.model.cache.max_len
