@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_one_row import build
+from provenance import provenance, with_provenance
 
 from engine.activation import silu_mul
 from engine.attention import chunk_groups
@@ -98,7 +99,7 @@ def main() -> None:
         result["alone"][rows] = {"compiled_us": a, "kernel_us": b, "kernel_tb_s": rate}
         print(f"{f'{rows} rows':>24} | {a:8.1f} | {b:8.1f} | {rate:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(with_provenance(result, provenance("bench_activation")), indent=1))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import provenance, with_provenance
 
 from engine.cuda_graphs import call_ms
 
@@ -153,7 +154,7 @@ def run(new, old, out: Path, tiles: bool, chunk_sweep: list[int]) -> None:
               + (f", {timed['new']['us'] / base['us']:.2f}x" if base else "")
               + f") | best {best['us']:6.1f} us {best['kernel']}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows_out, indent=1))
+    out.write_text(json.dumps(with_provenance({"cases": rows_out}, provenance("bench_attention")), indent=1))
 
 
 def main() -> None:

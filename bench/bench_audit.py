@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import redis.asyncio as redis
+from provenance import provenance, with_provenance
 
 from finsieve import logs
 from finsieve.app.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
@@ -367,7 +368,7 @@ def main() -> None:
         result.update(server_rows(args))
     result["machine"]["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_provenance(result, provenance("bench_audit")), indent=2))
     report(result, args)
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance, with_provenance
 
 from engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
 from engine.loader import load_model
@@ -192,7 +193,7 @@ def main() -> None:
               f"{r['itl_p99_ms_off']:>9.1f}/{r['itl_p99_ms_on']:<9.1f}"
               f"{h['p50']:>8}/{h['p90']}/{h['p99']}/{h['max']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_provenance(result, provenance("bench_enforcement")), indent=2))
 
 
 if __name__ == "__main__":

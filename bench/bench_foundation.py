@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance, with_provenance
 
 from finsieve.app.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready
 
@@ -138,7 +139,7 @@ def main() -> None:
     if "setup_s" in result:
         print(f"make setup in a fresh clone: {result['setup_s']:.1f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_provenance(result, provenance("bench_foundation")), indent=2))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from provenance import provenance, with_provenance
+
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / ".finsieve/models/SmolLM2-135M-Instruct"
 CORPUS = REPO / "tests/data/clean_corpus.txt"
@@ -219,11 +221,10 @@ def main() -> None:
         base, ours = results[args.baseline], results["this tree"]
         print(f"{'ratio':12}" + "".join(f"{ours[p] / base[p]:11.2f}x" for p in POLICIES))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"streams": args.streams, "steps": args.steps,
-                                    "device_ms": args.device_ms, "text": args.text,
-                                    "repeats": args.repeats,
-                                    "rounds": args.rounds if args.baseline else 1,
-                                    "results": results}, indent=1))
+    out = {"streams": args.streams, "steps": args.steps, "device_ms": args.device_ms,
+           "text": args.text, "repeats": args.repeats,
+           "rounds": args.rounds if args.baseline else 1, "results": results}
+    args.out.write_text(json.dumps(with_provenance(out, provenance("bench_host")), indent=1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import provenance, with_provenance
 
 from engine.cuda_graphs import call_ms
 
@@ -56,7 +57,8 @@ def main() -> None:
               f"{rows_out[-1]['bytes_per_s'] / 1e12:>6.2f} {marginal:>18.2f}  "
               + " ".join(f"{v:>8.1f}" for v in us.values()), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows_out}, indent=1))
+    out = {"device": torch.cuda.get_device_name(), "rows": rows_out}
+    args.out.write_text(json.dumps(with_provenance(out, provenance("bench_matmul")), indent=1))
 
 
 if __name__ == "__main__":

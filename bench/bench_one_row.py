@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from bench_gpu.device import measure_device
 from bench_gpu.workload import random_model, step_bytes
+from provenance import provenance, with_provenance
 
 from engine import sampler
 from engine.cuda_graphs import DecodeGraphs, capture, replay_ms
@@ -176,11 +177,10 @@ def main() -> None:
     for n, us in greedy.items():
         print(f"{n:<6}" + "".join(f"{t:>11.1f}" for t in us.values()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                    "copy_bandwidth_bytes_s": bandwidth,
-                                    "weight_bytes": weight_bytes, "floor_ms": floor_ms,
-                                    "variants": rows, "banned_runner_ms": banned,
-                                    "greedy_us": greedy}, indent=1))
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_s": bandwidth,
+           "weight_bytes": weight_bytes, "floor_ms": floor_ms, "variants": rows,
+           "banned_runner_ms": banned, "greedy_us": greedy}
+    args.out.write_text(json.dumps(with_provenance(out, provenance("bench_one_row")), indent=1))
 
 
 if __name__ == "__main__":

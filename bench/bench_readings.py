@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import provenance, with_provenance
+
 from finsieve.policy.matcher import StreamMatcher
 from finsieve.policy.pack import Pack
 
@@ -94,8 +96,8 @@ def main() -> None:
               f"{row['after_ms']:>9.3f} {row['after_worst_ms']:>8.3f} {row['ratio']:>6.0f}x "
               f"{row['plain_token_before_ms']:>16.4f} {row['plain_token_ms']:>16.4f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": platform.platform(), "repeat": args.repeat,
-                                    "rows": rows}, indent=2) + "\n")
+    out = {"machine": platform.platform(), "repeat": args.repeat, "rows": rows}
+    args.out.write_text(json.dumps(with_provenance(out, provenance("bench_readings")), indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -38,6 +38,7 @@ from unittest import mock
 
 import disarm
 import prometheus_client
+from provenance import provenance, with_provenance
 from transformers import AutoTokenizer
 
 from engine.tokens import token_byte_table
@@ -543,7 +544,7 @@ def main() -> None:
         previous = json.loads(args.out.read_text()) if args.out.exists() else {}
         result = {**previous, **mask_bound_phase(TokenTable.build(vocab), vocab, args)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        args.out.write_text(json.dumps(with_provenance(result, provenance("bench_rules")), indent=2))
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -630,7 +631,7 @@ def main() -> None:
     for name, c in result["confusable_sources"].items():
         print(f"{name:40} {c['per_char_us']:23.2f} {c['whole_text_us_per_char']:20.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(with_provenance(result, provenance("bench_rules")), indent=2))
 
 
 if __name__ == "__main__":

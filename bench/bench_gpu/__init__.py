@@ -50,3 +50,12 @@ facts), `rows` (a level's timings into its row), `workload` (the model, prompts 
 benchmarked: public, other benches use it), one module per phase (`phases` names them),
 `report` (the table, the JSON, issue #10's targets from `targets.toml`).
 """
+
+import sys
+from pathlib import Path
+
+# The scripts beside this package (bench_rules' synthetic pack, provenance) import as they do
+# when run, as top-level modules, however this package was imported.
+_BENCH = str(Path(__file__).resolve().parents[1])
+if _BENCH not in sys.path:
+    sys.path.insert(0, _BENCH)

@@ -3,7 +3,6 @@ clock, loopback ports and health checks, and the facts of the machine a row ran 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -13,6 +12,8 @@ import tempfile
 import time
 from argparse import Namespace
 from pathlib import Path
+
+from provenance import cpu
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -80,11 +81,7 @@ def health(target: str) -> bool:
 def host_cpu() -> str:
     """The host's CPU model and core count: at 128 streams with the rules on the engine's
     loop (one Python thread) is what sets the pace, so a row's host matters."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    return f"unknown, {os.cpu_count()} cores"
+    return cpu()
 
 
 def gpu_used_gib() -> float | None:

@@ -8,6 +8,8 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+from provenance import provenance, with_provenance
+
 from .phases import PHASES
 
 TARGETS_FILE = Path(__file__).with_name("targets.toml")
@@ -92,7 +94,28 @@ def targets(r: dict, listed: list[dict] | None = None) -> list[dict]:
 
 
 def write_json(path: Path, results: dict) -> None:
-    path.write_text(json.dumps(results, indent=2))
+    """The results with this call's provenance first (bench/provenance.py)."""
+    path.write_text(json_text(results, provenance("bench_gpu", conditions(results), run_gpu(results))))
+
+
+def json_text(results: dict, origin: dict[str, str | None]) -> str:
+    return json.dumps(with_provenance(results, origin), indent=2)
+
+
+def run_gpu(results: dict) -> str | None:
+    """The GPU the run measured, from its device phase (the driver keeps CUDA uninitialised
+    in its own process); None on the CPU or before that phase."""
+    device = results.get("device", {}).get("device")
+    return device if device != "cpu" else None
+
+
+def conditions(results: dict) -> str:
+    """What the run's figures were measured under, from its settings."""
+    model = "the tiny random model (--tiny)" if results.get("tiny") else \
+        "a Qwen2-7B-shaped model with random weights"
+    return (f"{model}, the default model's tokenizer; levels {results.get('levels')} streams, "
+            f"{results.get('rounds')} requests a stream, {results.get('max_tokens')} new tokens, "
+            "greedy; rules on = the default packs plus 10,000 synthetic literals")
 
 
 def table(r: dict) -> str:

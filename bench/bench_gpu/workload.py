@@ -5,12 +5,11 @@ prompts, and the rules ("rules on": the default packs plus 10,000 synthetic lite
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .harness import BENCH, REPO
+from .harness import REPO
 
 QWEN2_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 49152,
@@ -102,9 +101,7 @@ def prompt_ids(tok: Any, text: str) -> list[int]:
 def rules_dir(root: Path, tokenizer_dir: str, synthetic: bool = True) -> Path:
     """The default packs copied into root/rules (their guide left out), plus the 10,000
     synthetic literals of bench_rules' pack unless not `synthetic`."""
-    if str(BENCH) not in sys.path:  # bench_rules is a script beside this package
-        sys.path.insert(0, str(BENCH))
-    from bench_rules import synthetic_pack
+    from bench_rules import synthetic_pack  # a script beside this package (see __init__)
 
     d = root / "rules"
     shutil.rmtree(d, ignore_errors=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -91,8 +90,8 @@ def test_targets_read_a_run_the_phases_wrote(bench_gpu: ModuleType) -> None:
     assert {t["met"] for t in targets({})} == {None}  # nothing run: nothing measured
 
 
-def test_report_renders_the_table_and_the_json(bench_gpu: ModuleType, tmp_path: Path) -> None:
-    from bench.bench_gpu.report import table, targets, write_json
+def test_report_renders_the_table_and_the_json(bench_gpu: ModuleType) -> None:
+    from bench.bench_gpu.report import conditions, json_text, run_gpu, table, targets
 
     results = {**_run(), "targets": targets(_run())}
     text = table(results)
@@ -108,10 +107,14 @@ def test_report_renders_the_table_and_the_json(bench_gpu: ModuleType, tmp_path: 
     verdicts = [ln for ln in lines if ln.rstrip().endswith(("met", "MISSED"))]
     assert len(verdicts) == 9
     assert any("64 streams through gRPC, tokens/s" in ln and ln.endswith("MISSED") for ln in verdicts)
-    out = tmp_path / "gpu.json"
-    write_json(out, results)
-    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
-    assert set(json.loads(out.read_text())["targets"][0]) == {"target", "measured", "goal", "met"}
+    origin = {"bench": "bench_gpu", "command": "python -m bench.bench_gpu"}
+    written = json.loads(json_text(results, origin))
+    assert next(iter(written)) == "provenance" and written["provenance"] == origin
+    assert {k: v for k, v in written.items() if k != "provenance"} == json.loads(json.dumps(results))
+    assert set(written["targets"][0]) == {"target", "measured", "goal", "met"}
+    assert json.loads(json_text(written, {"bench": "later"}))["provenance"] == {"bench": "later"}
+    assert "levels [1, 64] streams, 2 requests a stream, 256 new tokens" in conditions(results)
+    assert run_gpu(results) == "H200" and run_gpu({"device": {"device": "cpu"}}) is None
 
 
 def test_the_command_line_keeps_its_options_and_defaults(bench_gpu: ModuleType) -> None:
