@@ -1,10 +1,10 @@
 """Every command the docs show is executed here, as a reader would type it.
 
 The convention the pages follow is support/doc_commands.py's docstring. Pages run in
-scratch copies of the checkout (symlinks to this one; their own rules/, docs/, finsieve/v1/
-and state directory with the prepared model) against real servers on free loopback ports:
-one shared by the pages whose server is a plain `finsieve serve &` (a server start costs
-the suite seconds), or a page's own.
+scratch copies of the checkout (symlinks to this one; their own rules/, docs/, bench/,
+finsieve/v1/ and state directory with the prepared model) against real servers on free
+loopback ports: one shared by the pages whose server is a plain `finsieve serve &` (a
+server start costs the suite seconds), or a page's own.
 """
 
 from __future__ import annotations
@@ -348,17 +348,20 @@ def _environment(ports: dict[int, int]) -> dict[str, str]:
 
 def _scratch_checkout(tmp: Path) -> Path:
     """A checkout a page may change: symlinks to this one's entries, but its own rules/,
-    docs/, finsieve/v1/ (make's proto step writes there) and state directory, which links
-    the model `make setup` prepared."""
+    docs/, bench/, finsieve/v1/ (make's proto step writes there) and state directory, which
+    links the model `make setup` prepared."""
     root = tmp / "checkout"
     root.mkdir()
-    own = {"rules", "docs", ".finsieve", "finsieve", ".pytest_cache", ".hypothesis"}
+    own = {"rules", "docs", "bench", ".finsieve", "finsieve", ".pytest_cache", ".hypothesis"}
     for entry in REPO.iterdir():
         if entry.name not in own:
             (root / entry.name).symlink_to(entry)
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(REPO / "rules", root / "rules", ignore=ignore)
     shutil.copytree(REPO / "docs", root / "docs", ignore=ignore)
+    # Copied, not linked: a script finds the repository from its own resolved path
+    # (bench/plot.py writes docs/img/ there), so a link would lead it back to this checkout.
+    shutil.copytree(REPO / "bench", root / "bench", ignore=ignore)
     (root / "finsieve").mkdir()
     for entry in (REPO / "finsieve").iterdir():
         if entry.name == "v1":
