@@ -15,12 +15,20 @@ from finsieve.errors import RequestError
 from finsieve.policy.guard import Intervention
 from finsieve.v1 import chat_pb2, engine_pb2
 
-from .sequence import Sequence, Sink
+from .sequence import Finish, Sequence, Sink
 
 if TYPE_CHECKING:
     from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 Event = chat_pb2.ChatServerMessage
+# Why an answer ended, as the wire says it (Finish's values are FinishReason's).
+FINISH_REASONS: dict[Finish, chat_pb2.FinishReason] = {
+    Finish.NONE: chat_pb2.FINISH_REASON_UNSPECIFIED,
+    Finish.STOP: chat_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: chat_pb2.FINISH_REASON_LENGTH,
+    Finish.CONTENT_FILTER: chat_pb2.FINISH_REASON_CONTENT_FILTER,
+    Finish.CANCELLED: chat_pb2.FINISH_REASON_CANCELLED,
+}
 
 STEP_SECONDS = Histogram("finsieve_decode_step_seconds",
                          "One decode step for the whole batch (the inter-token latency)",
@@ -98,7 +106,7 @@ def policy(seq: Sequence, i: Intervention, scope: str = "output") -> Event:
 def finished(seq: Sequence) -> Event:
     usage = chat_pb2.Usage(prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids))
     return Event(request_id=seq.request_id,
-                 finished=chat_pb2.Finished(finish_reason=int(seq.finish_reason), usage=usage))
+                 finished=chat_pb2.Finished(finish_reason=FINISH_REASONS[seq.finish_reason], usage=usage))
 
 
 def error(request_id: str, code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> Event:

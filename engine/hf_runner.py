@@ -13,9 +13,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from .loader import HFModule
+
 
 class HFRunner:
-    def __init__(self, hf_model: torch.nn.Module, n_slots: int) -> None:
+    def __init__(self, hf_model: HFModule, n_slots: int) -> None:
         self.model = hf_model
         self.device = next(hf_model.parameters()).device
         self.n_slots = n_slots

@@ -7,6 +7,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -21,11 +22,17 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# A transformers model or one of its modules: transformers builds the module tree from the
+# config, and torch types each submodule attribute as `Tensor | Module`; model.py reads the
+# architectures of its SUPPORTED_ARCHITECTURES.
+HFModule = Any
+
+
 @dataclass
 class LoadedModel:
     name: str
     path: Path
-    hf_model: torch.nn.Module
+    hf_model: HFModule
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
@@ -60,7 +67,7 @@ def default_model_dir(state_dir: Path) -> Path:
     log.info("converting default model", gguf=DEFAULT_GGUF, target=str(target))
     _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: HFModule = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=DEFAULT_GGUF, dtype=torch.float32
     )
     # The weights are dequantized to float; saving refuses while the GGUF quantization
@@ -82,7 +89,8 @@ def load_model(model: str, state_dir: Path, device: torch.device) -> LoadedModel
         raise ModelLoadError(f"--model {path}: not a Hugging Face model directory (no config.json)")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     config = AutoConfig.from_pretrained(path)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    loaded: HFModule = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    hf_model = loaded.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not tokenizer.chat_template:
         raise ModelLoadError(f"--model {path}: the tokenizer has no chat template")

@@ -42,6 +42,7 @@ from .attention import (
     varlen_prefill,
 )
 from .kv_cache import SlotKVCache
+from .loader import HFModule
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +51,7 @@ Chunk = tuple[int, int, list[int]]  # (slot, first KV position, token ids)
 
 
 class Layer:
-    def __init__(self, hf_layer: torch.nn.Module, own: bool) -> None:
+    def __init__(self, hf_layer: HFModule, own: bool) -> None:
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.wqkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         self.bqkv = (
@@ -69,7 +70,7 @@ class Layer:
 
 
 class CompactLM:
-    def __init__(self, hf_model: torch.nn.Module, n_slots: int, max_len: int, row_tile: int = 0,
+    def __init__(self, hf_model: HFModule, n_slots: int, max_len: int, row_tile: int = 0,
                  own_weights: bool = False, memory_fraction: float | None = None,
                  prefill_tokens: int = 2048, mixed_tokens: int = 0) -> None:
         cfg = hf_model.config
@@ -127,7 +128,8 @@ class CompactLM:
         for decode)."""
         parts = self._eager
         if compiled:
-            parts = tuple(torch.compile(p, dynamic=True) for p in parts)
+            attn_in, attn_out = parts
+            parts = (torch.compile(attn_in, dynamic=True), torch.compile(attn_out, dynamic=True))
         self._prefill_in, self._prefill_out = parts
         self._decode_in, self._decode_out = self._tiled or parts
 
@@ -324,7 +326,8 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def _rope_tables(rotary: torch.nn.Module, max_len: int, device, dtype) -> tuple[Tensor, Tensor]:
+def _rope_tables(rotary: HFModule, max_len: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin per position from the model's own rotary module (covers every rope_type)."""
     inv_freq = rotary.inv_freq.to(device=device, dtype=torch.float32)
     scale = getattr(rotary, "attention_scaling", 1.0)

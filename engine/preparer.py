@@ -40,7 +40,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 import structlog
@@ -50,6 +50,9 @@ from finsieve.policy.inputs import InputVerdict, apply_input_rules
 from finsieve.policy.matcher import REGEX_TIMEOUTS
 from finsieve.policy.pack import RuleSet
 from finsieve.policy.schema import Rule
+
+if TYPE_CHECKING:  # the workers import transformers themselves, when they start
+    from transformers import PreTrainedTokenizerBase
 
 log = structlog.get_logger(__name__)
 
@@ -330,7 +333,7 @@ class _TokenizerDir:
 def _end(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Shut a pool down without waiting for work that may never end: its workers are killed
     (Python 3.14's terminate_workers does this)."""
-    processes = list((pool._processes or {}).values())  # type: ignore[attr-defined]
+    processes = list((pool._processes or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     for p in processes:
         p.kill()
@@ -355,7 +358,8 @@ class _Worker:
 _worker: _Worker | None = None  # this worker process's tokenizer and rules (set by _start)
 
 
-def _start(tokenizer_class: type, tokenizer_dir: str, max_context: int, parent: int) -> None:
+def _start(tokenizer_class: type[PreTrainedTokenizerBase], tokenizer_dir: str, max_context: int,
+           parent: int) -> None:
     global _worker
     # Ctrl-C and a service manager's SIGTERM to the whole group are the engine's to handle;
     # it ends its workers (or they follow it out).

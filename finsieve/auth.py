@@ -11,7 +11,7 @@ PERMISSION_DENIED; the reason goes to the log, never to the caller.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,7 @@ class CheckUnavailable(Exception):
     caller retries instead of discarding a good key. The message is for the log only."""
 
 
-Authenticate = Callable[[Mapping[str, str], Mapping[str, list[bytes]]], Awaitable[Principal]]
+Authenticate = Callable[[Mapping[str, str], Mapping[str, Iterable[bytes]]], Awaitable[Principal]]
 
 # Set by AuthInterceptor for the task serving one call (and the tasks it creates).
 _CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("finsieve_caller")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
@@ -49,7 +50,7 @@ class Settings:
     audit_fail_open: bool = _setting(
         False, "serve a request even if its audit record cannot be written (default: refuse)")
     appendfsync: Literal["always", "everysec", "no"] = _setting(
-        "everysec", "embedded Valkey's AOF fsync policy (see README: what each can lose)")
+        "everysec", "embedded Valkey's AOF fsync policy (docs/operations.md: what each can lose)")
     cache_ttl_s: int = _setting(3600, "response cache entry lifetime; 0 = no cache")
     cache_max_bytes: int = _setting(262144, "largest response the cache keeps")
     cache_store_wait_ms: int = _setting(
@@ -84,7 +85,7 @@ class Settings:
     key_cache_s: float = _setting(
         5.0, "verified API keys are cached this long: a revocation takes effect within it")
     key_cache_max: int = _setting(10000, "most verified keys, and tenants' limits, cached per gateway")
-    limits_file: str = _setting("", "YAML file of per-tenant limits (see README)")
+    limits_file: str = _setting("", "YAML file of per-tenant limits (docs/operations.md)")
     tenant_requests_per_s: float = _setting(50.0, "default requests per second per tenant; 0 = unlimited")
     tenant_tokens_per_min: int = _setting(
         200000, "default generated tokens per minute per tenant; 0 = unlimited")
@@ -137,7 +138,7 @@ class Settings:
     default_max_tokens: int = _setting(256, "max_tokens when a request leaves it unset")
     max_input_bytes: int = _setting(262144, "largest total size of a request's messages")
     drain_seconds: float = _setting(20.0, "on SIGTERM, how long in-flight requests may finish")
-    # Bounds on what one client or one rule pack can cost (README: "Bounds").
+    # Bounds on what one client or one rule pack can cost (docs/operations.md: "Limits and bounds").
     max_messages: int = _setting(256, "messages per request")
     max_message_bytes: int = _setting(
         1048576, "largest frame a client may send; bigger ends its call (RESOURCE_EXHAUSTED)")
@@ -184,13 +185,14 @@ class Settings:
         return f"FINSIEVE_{name.upper()}"
 
     @classmethod
-    def load(cls, overrides: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Settings:
+    def load(cls, overrides: dict[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> Settings:
         """Defaults, then FINSIEVE_* variables, then explicit overrides (CLI flags)."""
-        env = os.environ if env is None else env
+        variables = os.environ if env is None else env
         hints = get_type_hints(cls)
         values: dict[str, Any] = {}
         for f in fields(cls):
-            raw = env.get(cls.env_name(f.name))
+            raw = variables.get(cls.env_name(f.name))
             if raw is not None and raw != "":
                 values[f.name] = _parse(f.name, hints[f.name], raw, cls.env_name(f.name))
         for name, value in (overrides or {}).items():
@@ -320,7 +322,7 @@ def load_yaml_file(path: Path, setting: str, max_bytes: int = 1 << 20) -> Any:
 
 
 def settings_table() -> list[tuple[str, str, str]]:
-    """(environment variable, default, help) for the README and `--help`."""
+    """(environment variable, default, help) for docs/configuration.md and `--help`."""
     return [
         (Settings.env_name(f.name), repr(f.default), f.metadata["help"]) for f in fields(Settings)
     ]

@@ -154,12 +154,19 @@ def wrap_handler(handler: grpc.RpcMethodHandler, unary: Callable[[Behavior], Beh
     answers once, by `streaming` where it answers with a stream."""
     de, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), de, ser)
+        return grpc.stream_stream_rpc_method_handler(streaming(_set(handler.stream_stream)), de, ser)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), de, ser)
+        return grpc.unary_stream_rpc_method_handler(streaming(_set(handler.unary_stream)), de, ser)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), de, ser)
-    return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), de, ser)
+        return grpc.stream_unary_rpc_method_handler(unary(_set(handler.stream_unary)), de, ser)
+    return grpc.unary_unary_rpc_method_handler(unary(_set(handler.unary_unary)), de, ser)
+
+
+def _set(behavior: Callable[..., Any] | None) -> Behavior:
+    """The behavior of the kind a handler's flags name, which it always has (grpc's stubs
+    type the synchronous server's handler: every kind optional, a synchronous context)."""
+    assert behavior is not None
+    return behavior
 
 
 def responses(result: Any) -> AsyncIterator[Any]:

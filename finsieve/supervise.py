@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from prometheus_client import Counter
@@ -71,11 +72,13 @@ def start(name: str, run: Callable[[], Awaitable[object]], backoff: Backoff = Ba
     return asyncio.create_task(supervise(name, run, backoff, give_up_after), name=name)
 
 
-def log_failure(task: asyncio.Future[object]) -> None:
+def log_failure(task: asyncio.Future[Any]) -> None:
     """A done callback for one-shot tasks: an exception they end with is logged."""
-    if task.cancelled() or task.exception() is None:
+    if task.cancelled():
         return
     error = task.exception()
+    if error is None:
+        return
     name = task.get_name() if isinstance(task, asyncio.Task) else "task"
     log.error("task failed", task=name, error_type=type(error).__name__,
               exc_info=(type(error), error, error.__traceback__))

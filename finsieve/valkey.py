@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote_plus
 
 import redis.asyncio as redis
@@ -134,7 +135,7 @@ class EmbeddedValkey:
 
 
 async def connect(url: str, timeout: float = 3.0, password: str | None = None) -> redis.Redis:
-    extra = {"password": password} if password else {}
+    extra: dict[str, Any] = {"password": password} if password else {}
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=timeout,
                                       socket_timeout=timeout, **extra)

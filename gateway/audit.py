@@ -33,7 +33,9 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+
+# cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
+from typing import Any, cast
 
 import redis.asyncio as redis
 from prometheus_client import Histogram
@@ -290,7 +292,7 @@ class AuditLog:
         return done, acks
 
     async def head(self) -> Head:
-        seq, mac, sig = await self.redis.hmget(HEAD, "seq", "hmac", "sig")
+        seq, mac, sig = cast("list[bytes | None]", await self.redis.hmget(HEAD, "seq", "hmac", "sig"))
         try:
             number = int(seq or 0)
         except ValueError:
@@ -312,15 +314,16 @@ class AuditLog:
         out: list[dict[str, Any]] = []
         size = 0
         while True:
-            entries = await self.redis.zrangebyscore(f.index(), cur.score, cur.until, start=cur.skip,
-                                                     num=FETCH, withscores=True)
+            entries = cast("list[tuple[bytes, float]]", await self.redis.zrangebyscore(
+                f.index(), cur.score, cur.until, start=cur.skip, num=FETCH, withscores=True))
             if not entries:
                 return out, None
-            raws = await self.redis.mget([record_key(int(m)) if m.isdigit() else "-" for m, _ in entries])
+            raws = cast("list[bytes | None]", await self.redis.mget(
+                [record_key(int(m)) if m.isdigit() else "-" for m, _ in entries]))
             for (_, score), raw in zip(entries, raws, strict=True):
                 after = cur.past(int(score))
                 rec = parse(raw)
-                if rec is not None and f.accepts(rec):
+                if raw is not None and rec is not None and f.accepts(rec):  # parse(None) is None
                     if out and size + len(raw) > max_bytes:
                         return out, cur
                     out.append(rec)
@@ -344,7 +347,8 @@ class AuditLog:
         """(seq, stored bytes or None) for every seq from first to last, FETCH at a time."""
         for start in range(first, last + 1, FETCH):
             chunk = list(range(start, min(start + FETCH, last + 1)))
-            for item in zip(chunk, await self.redis.mget([record_key(s) for s in chunk]), strict=True):
+            raws = cast("list[bytes | None]", await self.redis.mget([record_key(s) for s in chunk]))
+            for item in zip(chunk, raws, strict=True):
                 yield item
 
     # -- retention ------------------------------------------------------------------------
@@ -387,7 +391,7 @@ class AuditLog:
             raise AuditError("not trimming: the retention checkpoint is not readable")
         for start in range(first, cut, FETCH):
             chunk = list(range(start, min(start + FETCH, cut)))
-            raws = await self.redis.mget([record_key(s) for s in chunk])
+            raws = cast("list[bytes | None]", await self.redis.mget([record_key(s) for s in chunk]))
             async with self.redis.pipeline(transaction=True) as pipe:
                 for seq, raw in zip(chunk, raws, strict=True):
                     pipe.delete(record_key(seq))

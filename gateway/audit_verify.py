@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+# cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
+from typing import Any, cast
 
 from .anchors import Anchor, newest
 from .audit import (
@@ -133,8 +135,9 @@ class _Walk:
         return None
 
     async def _indexes(self, records: list[dict[str, Any]]) -> None:
-        """Every record is in the time index and in each field index it belongs to."""
-        expected = [(key, rec["seq"], rec.get("ts_ms"))
+        """Every record is in the time index and in each field index it belongs to (each is
+        sealed, and the writer's seal covers its ts_ms)."""
+        expected = [(key, rec["seq"], rec["ts_ms"])
                     for rec in records
                     for key in (TIME, *(index_key(f, v) for f, v in index_values(rec)))]
         if not expected:
@@ -279,8 +282,8 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
         full = since_ms == 0 and until_ms == 0
         lo, hi = first, last
         if not full:
-            seqs = [int(s) for s in await log.redis.zrangebyscore(TIME, since_ms, until_ms or now_ms())
-                    if s.isdigit()]
+            members = cast("list[bytes]", await log.redis.zrangebyscore(TIME, since_ms, until_ms or now_ms()))
+            seqs = [int(s) for s in members if s.isdigit()]
             if not seqs:
                 return Verdict(True, 0, anchor=newest_anchor)
             if max(seqs) > head.seq and max(seqs) > (now := await log.head()).seq:

@@ -31,7 +31,9 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+
+# cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
+from typing import Any, cast
 
 import redis.asyncio as redis
 import structlog
@@ -151,7 +153,7 @@ class ResponseCache:
         await self._await_store(key)
         try:
             # At most max_bytes + 1 bytes: a planted giant value is never read whole.
-            raw = await self.redis.getrange(key, 0, self.max_bytes)
+            raw = cast(bytes, await self.redis.getrange(key, 0, self.max_bytes))
         except redis.ResponseError:
             await self._reject(key, "corrupt")  # not a string at all
             return None

@@ -11,14 +11,16 @@ not a call status, because a status would end the stream and every other request
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import empty_pb2
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from finsieve.v1 import chat_pb2
+from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 _MEMBERS = {1: "request", 2: "cancel"}  # ChatClientMessage's oneof, by field number
 _LENGTH_DELIMITED = 2
@@ -45,10 +47,10 @@ def _probe(data: bytes) -> tuple[str, str]:
     the protobuf library parses the wire format without checking strings."""
     field, request_id = "", ""
     try:
-        for outer in UnknownFieldSet(empty_pb2.Empty.FromString(data)):
+        for outer in _unknown_fields(data):
             if outer.field_number in _MEMBERS and outer.wire_type == _LENGTH_DELIMITED:
                 field, request_id = _MEMBERS[outer.field_number], ""  # the last member wins
-                for inner in UnknownFieldSet(empty_pb2.Empty.FromString(outer.data)):
+                for inner in _unknown_fields(outer.data):
                     if inner.field_number == 1 and inner.wire_type == _LENGTH_DELIMITED:
                         request_id = inner.data.decode("utf-8", "strict")
     except (DecodeError, UnicodeDecodeError):
@@ -56,11 +58,18 @@ def _probe(data: bytes) -> tuple[str, str]:
     return field, request_id
 
 
-def add_gateway_to_server(servicer: object, server: grpc.aio.Server) -> None:
+def _unknown_fields(data: bytes) -> Iterator[Any]:
+    """The fields of data read as unknown fields of an empty message, one at a time (by
+    index: the stubs declare no iteration)."""
+    fields = UnknownFieldSet(empty_pb2.Empty.FromString(data))
+    return (fields[i] for i in range(len(fields)))
+
+
+def add_gateway_to_server(servicer: chat_pb2_grpc.GatewayServicer, server: grpc.aio.Server) -> None:
     """The generated registration, with the lenient deserializer."""
     handlers = {
         "Chat": grpc.stream_stream_rpc_method_handler(
-            servicer.Chat,  # type: ignore[attr-defined]
+            servicer.Chat,
             request_deserializer=parse_client_message,
             response_serializer=chat_pb2.ChatServerMessage.SerializeToString,
         ),

@@ -8,7 +8,7 @@ else, and never a request's metadata, decides a tenant.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ class CertMap:
             table[value] = principal
         return cls(by_subject, by_san)
 
-    def lookup(self, auth_context: Mapping[str, list[bytes]]) -> Principal | None:
+    def lookup(self, auth_context: Mapping[str, Iterable[bytes]]) -> Principal | None:
         for subject in auth_context.get("x509_subject", []):
             if (p := self.by_subject.get(subject.decode(errors="replace"))) is not None:
                 return p
@@ -96,7 +96,7 @@ class ClientAuthenticator:
                    if settings.client_cert_map else None)
 
     async def __call__(self, metadata: Mapping[str, str],
-                       auth_context: Mapping[str, list[bytes]]) -> Principal:
+                       auth_context: Mapping[str, Iterable[bytes]]) -> Principal:
         token = bearer(metadata)
         if token is not None:
             return await self.keys.verify(token)

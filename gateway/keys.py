@@ -20,8 +20,12 @@ import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass
 
+# cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
+from typing import cast
+
 import redis.asyncio as redis
 import structlog
+from redis.typing import EncodableT
 
 from finsieve.auth import ROLES, CheckUnavailable, Principal, Unauthenticated
 
@@ -122,9 +126,10 @@ class KeyStore:
             key = f"{PREFIX}_{key_id}_{secret}"
             info = KeyInfo(key_id, tenant, role, name, int(time.time() * 1000), expires_ms,
                            all_tenants, 0, created_by)
-            fields = {"hash": self.digest(key), "tenant": tenant, "role": role, "name": name,
-                      "created_ms": info.created_ms, "expires_ms": expires_ms,
-                      "all_tenants": int(all_tenants), "revoked_ms": 0, "created_by": created_by}
+            fields: dict[EncodableT, EncodableT] = {  # a Redis hash
+                "hash": self.digest(key), "tenant": tenant, "role": role, "name": name,
+                "created_ms": info.created_ms, "expires_ms": expires_ms,
+                "all_tenants": int(all_tenants), "revoked_ms": 0, "created_by": created_by}
             if await self.redis.hsetnx(record_key(key_id), "hash", fields["hash"]):
                 break  # a fresh id (a collision of 64 random bits is not expected, but cheap)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -149,7 +154,7 @@ class KeyStore:
     async def get(self, key_id: str) -> KeyInfo | None:
         if not KEY_ID_RE.match(key_id):
             return None
-        parsed = _parse(key_id, await self.redis.hgetall(record_key(key_id)))
+        parsed = _parse(key_id, cast("dict[bytes, bytes]", await self.redis.hgetall(record_key(key_id))))
         return parsed[0] if parsed else None
 
     async def list(self, tenant: str = "", include_revoked: bool = False, offset: int = 0,
@@ -158,7 +163,7 @@ class KeyStore:
         out: list[KeyInfo] = []
         pos = offset
         while True:
-            ids = await self.redis.zrange(INDEX, pos, pos + max(limit, 200) - 1)
+            ids = cast("list[bytes]", await self.redis.zrange(INDEX, pos, pos + max(limit, 200) - 1))
             if not ids:
                 return out, None
             names = [raw.decode(errors="replace") for raw in ids]
@@ -207,7 +212,7 @@ class KeyStore:
         if cached is not None and now - cached[1] < self._cache_s:
             return cached[0]
         try:
-            parsed = _parse(key_id, await self.redis.hgetall(record_key(key_id)))
+            parsed = _parse(key_id, cast("dict[bytes, bytes]", await self.redis.hgetall(record_key(key_id))))
         except (redis.RedisError, OSError) as e:
             # Nothing can be revoked while Redis is down: a key verified a moment ago stays
             # good for a while (not refreshed); an unknown one cannot be checked.

@@ -23,7 +23,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+
+# cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
+from typing import Any, cast
 
 import redis.asyncio as redis
 import structlog
@@ -179,7 +181,7 @@ class Limiter:
 
     async def _overrides(self, tenant: str) -> dict[str, float | int]:
         try:
-            raw = await self.redis.hgetall(_key(tenant, "set"))
+            raw = cast("dict[bytes, bytes]", await self.redis.hgetall(_key(tenant, "set")))
         except (redis.RedisError, OSError):
             return {}
         out: dict[str, float | int] = {}

@@ -73,9 +73,11 @@ class Outbox:
 
     def _merge(self, i: int, event: Event) -> None:
         if i not in self._copied:  # the original may also be held for the cache and audit
-            merged = Event()
-            merged.CopyFrom(self._items[i])
-            self._items[i] = merged
+            original = self._items[i]
+            assert original is not None  # an open delta, not the end of its stream
+            copy = Event()
+            copy.CopyFrom(original)
+            self._items[i] = copy
             self._copied.add(i)
         merged = self._items[i]
         assert merged is not None

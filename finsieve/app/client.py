@@ -7,6 +7,7 @@ import os
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,26 +30,36 @@ class _Bearer:
     def __init__(self, key: str) -> None:
         self._entry = ("authorization", f"Bearer {key}")
 
-    async def _forward(self, continuation, details: grpc.aio.ClientCallDetails, request):
+    async def _forward(self, continuation: Any, details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
-        return await continuation(details._replace(metadata=metadata), request)
+        return await continuation(grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready),
+            request)
 
 
 # grpc.aio files an interceptor under its first matching kind only: one object per kind.
 class _BearerUU(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
-    intercept_unary_unary = _Bearer._forward
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                                    request: Any) -> Any:
+        return await self._forward(continuation, client_call_details, request)
 
 
 class _BearerUS(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
-    intercept_unary_stream = _Bearer._forward
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
+                                     request: Any) -> Any:
+        return await self._forward(continuation, client_call_details, request)
 
 
 class _BearerSU(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
-    intercept_stream_unary = _Bearer._forward
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
+                                     request_iterator: Any) -> Any:
+        return await self._forward(continuation, client_call_details, request_iterator)
 
 
 class _BearerSS(_Bearer, grpc.aio.StreamStreamClientInterceptor):
-    intercept_stream_stream = _Bearer._forward
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                      request_iterator: Any) -> Any:
+        return await self._forward(continuation, client_call_details, request_iterator)
 
 
 @dataclass(frozen=True)
@@ -116,9 +127,9 @@ def transport_credentials(tls_ca: str = "", tls_cert: str = "", tls_key: str = "
         raise CredentialError("--tls-cert and --tls-key: give both or neither")
     if tls_cert and not tls_ca:
         raise CredentialError("--tls-cert: a client certificate needs --tls-ca (TLS)")
-    return Credentials(**{name: _read_pem(path, flag) for name, path, flag in
-                          (("tls_ca", tls_ca, "--tls-ca"), ("tls_cert", tls_cert, "--tls-cert"),
-                           ("tls_key", tls_key, "--tls-key")) if path})
+    ca, cert, key = (_read_pem(path, flag) if path else None for path, flag in
+                     ((tls_ca, "--tls-ca"), (tls_cert, "--tls-cert"), (tls_key, "--tls-key")))
+    return Credentials(tls_ca=ca, tls_cert=cert, tls_key=key)
 
 
 def _read_pem(path: str, flag: str) -> bytes:
@@ -173,7 +184,9 @@ async def wait_ready(target: str, timeout: float, credentials: Credentials | Non
         stub = health_pb2_grpc.HealthStub(channel)
         while loop.time() < deadline:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                # types-grpcio-health-checking declares none of the stub's methods (set in __init__)
+                reply = await stub.Check(  # type: ignore[attr-defined]
+                    health_pb2.HealthCheckRequest(), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return True
             except grpc.aio.AioRpcError:

@@ -247,7 +247,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
 
 
 def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitStack,
-                 in_force: Callable[[Policy], None]) -> PolicyHolder:
+                 in_force: Callable[[Policy], object]) -> PolicyHolder:
     """Compile the rules directory now (a bad pack stops start-up) and on every change;
     in_force(policy) each time a policy comes in force."""
     directory, luts = Path(settings.rules), Path(settings.luts)
@@ -295,6 +295,7 @@ async def _start_redis(settings: Settings,
         url = await asyncio.to_thread(valkey.start)
         password = valkey.password
         stack.callback(valkey.stop)
+        assert valkey.process is not None  # start() returned: it runs
         log.info("embedded valkey started", pid=valkey.process.pid, port=valkey.port,
                  appendfsync=settings.appendfsync)
     client = await connect(url, password=password)

@@ -23,16 +23,16 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from re import _constants as c  # type: ignore[attr-defined]
+from re import _constants as c  # type: ignore[attr-defined]  # private: not in typeshed
 
 import regex
+from regex import _regex
 
 from .schema import REGEX_FLAGS
 
-try:  # the regex engine's own case equivalences (i ~ I ~ İ, s ~ ſ, k ~ K, σ ~ ς, …)
-    from regex._regex import get_all_cases as _all_cases
-except ImportError:  # without them no filter is sound: every regex runs
-    _all_cases = None
+# The regex engine's own case equivalences (i ~ I ~ İ, s ~ ſ, k ~ K, σ ~ ς, …): a private
+# function, absent from regex's stubs. Without them no filter is sound: every regex runs.
+_all_cases: Callable[[int, int], list[int]] | None = getattr(_regex, "get_all_cases", None)
 
 
 def _engine_class(pattern: str) -> Callable[[str], bool]:
@@ -101,7 +101,7 @@ def first_chars(pattern: str) -> FirstChars | None:
             or regex.compile(pattern, REGEX_FLAGS).flags & regex.VERBOSE:
         return None
     try:
-        parsed = re._parser.parse(for_python(pattern), re.IGNORECASE)  # type: ignore[attr-defined]
+        parsed = re._parser.parse(for_python(pattern), re.IGNORECASE)  # type: ignore[attr-defined]  # private
         out = FirstChars()
         if _seq(list(parsed), out):
             raise _Any  # the pattern can match the empty string
@@ -232,7 +232,9 @@ def _text_chars(ch: str) -> set[str]:
 @lru_cache(maxsize=1 << 14)
 def _cases(ch: str) -> frozenset[str]:
     """ch and every character the engine takes for it when matching case-insensitively."""
-    return frozenset({ch, *(chr(o) for o in _all_cases(REGEX_FLAGS, ord(ch)))})  # type: ignore[misc]
+    all_cases = _all_cases
+    assert all_cases is not None  # without them first_chars makes no filter that asks
+    return frozenset({ch, *(chr(o) for o in all_cases(REGEX_FLAGS, ord(ch)))})
 
 
 _ONE_CHAR = re.compile(r"\\[dwsDWS]|\[(?:\\.|[^\]\\])+\]|[^\\()[\]|.*+?{}^$]")
@@ -247,7 +249,9 @@ def _not_after(pattern: str, parsed: list) -> Callable[[str], object] | None:
     start = next((n for n in ("(?<!", "(?:(?<!") if pattern.startswith(n)), None)
     if start is None or not parsed or not _is_placeholder(parsed[0]):
         return None
-    alternatives, current, depth = [], [], 0
+    alternatives: list[str] = []
+    current: list[str] = []
+    depth = 0
     for _, unit, in_class in _units(pattern[len(start):]):
         if not in_class and unit in ("(", ")"):
             depth += 1 if unit == "(" else -1

@@ -42,9 +42,11 @@ MESSAGE_JOIN = " "
 WINDOW_JOIN = " x "  # between two windows (see _crossing): a letter ends every number
 
 
-class ChatMessage(Protocol):
-    role: str
-    content: str
+class ChatMessage(Protocol):  # read only: a proto message, a NamedTuple, …
+    @property
+    def role(self) -> str: ...
+    @property
+    def content(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def conversation_matches(rules: RuleSet, contents: Sequence[str],
     """Every match in each message alone, and every match of a value rule across messages
     of one of the conversation's streams (see `streams`), by message and start."""
     raws = [c.encode() for c in contents]
-    found = []
+    found: list[ConversationMatch] = []
     for i, (content, raw) in enumerate(zip(contents, raws, strict=True)):
         for m in scan_text(rules, content) if content else []:
             text = raw[m.start : m.end].decode("utf-8", "replace")
@@ -85,10 +87,10 @@ def conversation_matches(rules: RuleSet, contents: Sequence[str],
         reach = max(rules.max_regex_span, rules.literals.max_len) + CONTEXT_CHARS
         windows = [w for order in streams(contents, roles) for w in _windows(contents, order, reach)]
         seen: set[tuple[str, tuple[Part, ...]]] = set()  # a match two streams both hold
-        for m in _crossing(rules, windows):
-            if (m.rule.id, m.parts) not in seen:
-                seen.add((m.rule.id, m.parts))
-                found.append(m)
+        for crossing in _crossing(rules, windows):
+            if (crossing.rule.id, crossing.parts) not in seen:
+                seen.add((crossing.rule.id, crossing.parts))
+                found.append(crossing)
     return sorted(found, key=lambda m: (m.parts[0].message, m.parts[0].start))
 
 

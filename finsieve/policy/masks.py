@@ -401,7 +401,7 @@ class MaskTables:
             if not self.patterns.is_live(u):
                 continue
             u_scripts = set(live_tags[-length:]) - {0}
-            for pattern in self.patterns.automaton.keys(u):
+            for pattern in self.patterns.completions(u):
                 budget.spend(1)
                 v = pattern[length:]
                 if not v:

@@ -252,11 +252,11 @@ class StreamMatcher:
             if k + 2 < n and dst.text[k + 1] == " " and self._holds(k):
                 dst.raw_start[k + 1], dst.raw_end[k + 1] = dst.raw_end[k], dst.raw_start[k + 2]
         seen, depth, in_making = n, cp.depth, cp.in_making
-        k = dst.hyphen_at()
-        if k is not None and self._holds(k):
-            dst.hyphen = Hold(dst.raw_start[k], dst.raw_end[k], cp.decoded_len, "-", k + 1 < n, False)
-            del dst.text[k:], dst.raw_start[k:], dst.raw_end[k:], dst.tags[k:]
-            at = checkpoints[bisect.bisect_right(checkpoints, k, hi=tokens + 1, key=_n_norm) - 1]
+        h = dst.hyphen_at()
+        if h is not None and self._holds(h):
+            dst.hyphen = Hold(dst.raw_start[h], dst.raw_end[h], cp.decoded_len, "-", h + 1 < n, False)
+            del dst.text[h:], dst.raw_start[h:], dst.raw_end[h:], dst.tags[h:]
+            at = checkpoints[bisect.bisect_right(checkpoints, h, hi=tokens + 1, key=_n_norm) - 1]
             seen, depth, in_making = at.n_norm, at.depth, at.in_making
         text = dst.text
         other.depth, other._in_making = depth, dict(in_making)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,6 +67,10 @@ class Literals:
         """Is s a proper prefix of some pattern (so a match may still grow from it)?"""
         a = self.automaton
         return a is not None and a.match(s) and (s in self.proper_prefixes or not a.exists(s))
+
+    def completions(self, prefix: str) -> Iterable[str]:
+        """The patterns that begin with prefix."""
+        return self.automaton.keys(prefix) if self.automaton is not None else ()
 
     def depth(self, text: str) -> int:
         """Length of the longest suffix of text that is live."""

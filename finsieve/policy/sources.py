@@ -122,7 +122,7 @@ class _BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent, index):  # type: ignore[no-untyped-def]
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self._depth >= MAX_YAML_DEPTH:
             raise yaml.composer.ComposerError(
                 None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", self.peek_event().start_mark)
