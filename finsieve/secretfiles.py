@@ -58,9 +58,10 @@ def read_secret(path: Path, setting: str, min_bytes: int = MIN_SECRET_BYTES) -> 
         raise ConfigError(f"{where}: cannot read: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{where}: not a regular file")
-    if st.st_mode & 0o077:
+    if st.st_mode & 0o077 and not mounted_secret(st):
         raise ConfigError(f"{where}: readable or writable by group or others "
-                          f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`")
+                          f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`, or "
+                          "owned by root and readable by its group alone (0440)")
     if st.st_size > MAX_SECRET_BYTES:
         raise ConfigError(f"{where}: larger than {MAX_SECRET_BYTES} bytes: not a secret file")
     try:
@@ -73,6 +74,15 @@ def read_secret(path: Path, setting: str, min_bytes: int = MIN_SECRET_BYTES) -> 
         raise ConfigError(f"{where}: holds {len(data)} bytes, at least {min_bytes} are "
                           f"needed (e.g. `openssl rand -hex 32 > {path}`)")
     return data
+
+
+def mounted_secret(st: os.stat_result) -> bool:
+    """A file root owns that its group may read and no one else: how a Kubernetes Secret
+    volume holds its files when the pod sets fsGroup (the kubelet adds group read: a
+    defaultMode of 0400 becomes 0440, root:fsGroup; kubernetes/kubernetes#57923). Without
+    fsGroup they are root's alone, unreadable by a non-root process, so no mode fits
+    both rules. PostgreSQL accepts its key file on the same terms (root-owned, 0640 at most)."""
+    return st.st_uid == 0 and not st.st_mode & 0o037
 
 
 def secret_file(configured: str, default: Path, setting: str) -> bytes:

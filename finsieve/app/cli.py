@@ -1,4 +1,4 @@
-"""The `finsieve` command: serve, chat, audit, keys, limits, rules, model."""
+"""The `finsieve` command: serve, chat, audit, keys, limits, rules, model, health."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from finsieve.app import health
 from finsieve.app.cli_keys import add_commands as add_key_commands
 from finsieve.app.cli_keys import print_table
 from finsieve.app.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
@@ -154,6 +155,12 @@ def _parser() -> argparse.ArgumentParser:
     audit_parser("export", "every record of a time range as JSON lines on stdout", _audit_export)
 
     add_key_commands(sub)
+
+    h = sub.add_parser("health", help="ask a listener's health service whether it serves "
+                       "(container checks, Kubernetes exec probes)", description=health.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    health.add_arguments(h)
+    h.set_defaults(run=health.run)
 
     c = sub.add_parser("chat", help="stream one answer from a gateway")
     c.add_argument("question")
