@@ -58,9 +58,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 from bench_gpu.harness import free_port, health
 from bench_gpu.rows import pct
 from provenance import cpu, provenance, with_provenance
+
+from finsieve.app.client import Credentials, chat_request, stream_one
+from finsieve.config import Settings
+from finsieve.grpc_server import CHANNEL_OPTIONS
+from finsieve.secretfiles import write_private
+from finsieve.v1 import chat_pb2, chat_pb2_grpc
+from finsieve.valkey import EmbeddedValkey
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / ".finsieve" / "models" / "SmolLM2-135M-Instruct"
@@ -70,6 +78,8 @@ QUESTIONS = ["What is a bond?", "What is an index fund?", "What does APR mean?",
 IDLE_QUESTION = "In one sentence, what is a savings account?"
 START_S = 300  # an engine's start-up on two busy cores (model, rule tables) is well under this
 STOP_S = 30  # a server's drain on SIGTERM before it is killed
+QUEUE_EVERY_S = 2.0
+REDIS_PY_POOL = 100  # redis-py's default max_connections
 QUICK = {"levels": [1, 20], "window": 3.0, "drain": 60.0, "max_tokens": 8, "idle_streams": 40,
          "idle_window": 2.0}
 
@@ -102,9 +112,6 @@ class Deployment:
     key: str = ""
 
     def start(self, engines: int, gateways: int) -> None:
-        from finsieve.secretfiles import write_private
-        from finsieve.valkey import EmbeddedValkey
-
         self.valkey = EmbeddedValkey(self.work / "valkey")
         self.valkey.start()
         for name in ("audit.key", "keys.secret", "engine.secret"):
@@ -212,7 +219,8 @@ def cpu_by_group(groups: dict[str, list[int]]) -> dict[str, float]:
 
 
 def engine_queue(urls: list[str]) -> dict[str, float]:
-    """The engines' requests waiting for a KV slot and running, summed (their metrics)."""
+    """The engines' requests waiting for a KV slot and holding one, summed (their metrics;
+    each engine sets them after every step)."""
     out = {"waiting": 0.0, "running": 0.0}
     for url in urls:
         try:
@@ -228,11 +236,8 @@ def engine_queue(urls: list[str]) -> dict[str, float]:
 # -- the load clients -----------------------------------------------------------------------
 
 
-def _channel(target: str, key: str) -> Any:
+def _channel(target: str, key: str) -> grpc.aio.Channel:
     """A channel of its own (its own TCP connection, not a subchannel shared in the process)."""
-    from finsieve.app.client import Credentials
-    from finsieve.grpc_server import CHANNEL_OPTIONS
-
     return Credentials(api_key=key).channel(target, [*CHANNEL_OPTIONS,
                                                      ("grpc.use_local_subchannel_pool", 1)])
 
@@ -240,9 +245,7 @@ def _channel(target: str, key: str) -> Any:
 class ChatCall:
     """One Chat stream on which requests are sent one at a time, each read to its end."""
 
-    def __init__(self, channel: Any, timeout: float) -> None:
-        from finsieve.v1 import chat_pb2_grpc
-
+    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
         self._outbox: asyncio.Queue[Any] = asyncio.Queue()
         self.call = chat_pb2_grpc.GatewayStub(channel).Chat(self._requests(), timeout=timeout)
 
@@ -253,11 +256,6 @@ class ChatCall:
     async def ask(self, request_id: str, question: str, max_tokens: int) -> dict:
         """Send a request and read its events to the terminal one: its timings and outcome
         ("finished:<reason>", "error:<code>", or "ended" if the stream ended first)."""
-        import grpc
-
-        from finsieve.app.client import chat_request
-        from finsieve.v1 import chat_pb2
-
         sent = time.monotonic()
         self._outbox.put_nowait(chat_pb2.ChatClientMessage(
             request=chat_request(request_id, question, max_tokens=max_tokens)))
@@ -283,8 +281,6 @@ class ChatCall:
 
     async def close(self) -> str:
         """Half-close, then the stream's status: "OK" or the code's name."""
-        import grpc
-
         self._outbox.put_nowait(None)
         try:
             while await self.call.read() is not grpc.aio.EOF:
@@ -295,8 +291,6 @@ class ChatCall:
 
 
 def _code_name(code: int) -> str:
-    import grpc
-
     return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
 
 
@@ -309,8 +303,6 @@ async def load_streams(targets: list[str], key: str, streams: list[int], start: 
                        deadline: float, max_tokens: int) -> list[dict]:
     """Each stream (its own channel to targets[stream % len]) sends requests one after another
     from `start` until `end`; the last is read to its end, at the latest by `deadline`."""
-    import grpc
-
     async def one(i: int) -> dict:
         channel = _channel(targets[i % len(targets)], key)
         out: dict[str, Any] = {"stream": i, "requests": [], "status": ""}
@@ -377,22 +369,28 @@ def run_level(targets: list[str], key: str, n: int, args: argparse.Namespace, wa
         groups = {**watch.groups, "clients": [w.pid for w in workers if w.pid]}
         time.sleep(max(0.0, start - time.monotonic()))
         cpu0 = cpu_by_group(groups)
-        time.sleep(max(0.0, start + args.window - time.monotonic()))
+        queues = []  # the engines' queue every QUEUE_EVERY_S of the window
+        while (left := start + args.window - time.monotonic()) > 0:
+            time.sleep(min(QUEUE_EVERY_S, left))
+            if watch.engine_metrics and left > QUEUE_EVERY_S / 2:
+                queues.append(engine_queue(watch.engine_metrics))
         cpu1 = cpu_by_group(groups)
-        load, queue_depth = os.getloadavg()[0], engine_queue(watch.engine_metrics)
+        load = os.getloadavg()[0]
         if watch.check:
             watch.check()
         for _ in workers:
             streams += queue.get(timeout=args.drain + 60)
+        for w in workers:
+            w.join(10)
     finally:
         for w in workers:
-            w.join(5)
             if w.is_alive():
                 w.kill()
     cpu_s = {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0}
     row = summarize(streams, start, args.window)
     row.update(streams=n, client_procs=procs, cpu_s=cpu_s, load_1min_at_end=round(load, 2),
-               engine_queue_at_end=queue_depth,
+               engine_queue_mean={k: round(sum(q[k] for q in queues) / len(queues), 1)
+                                  for k in ("waiting", "running")} if queues else None,
                gateway_cpu_s_per_1k_tokens=(cpu_s["gateways"] / (row["window_tokens"] / 1000)
                                             if row["window_tokens"] else None))
     return row
@@ -498,8 +496,6 @@ def run_idle(target: str, key: str, gateway_pid: int | None, args: argparse.Name
     """See the module's docstring. The warm-up's answer is cached; every stream's request
     is then a cache hit (audited, answered by the gateway from Valkey): cheap to serve, so
     that a thousand streams can prove they are live on two cores."""
-    from finsieve.app.client import Credentials, chat_request, stream_one
-
     async def warm() -> bool:
         hit = False
         for i in range(20):  # the answer is stored just after it is delivered
@@ -534,8 +530,8 @@ def run_idle(target: str, key: str, gateway_pid: int | None, args: argparse.Name
         if not parent.poll(300):
             raise RuntimeError("the idle streams' second requests were not answered within 300 s")
         again = parent.recv()
+        client.join(30)  # its channels closed
     finally:
-        client.join(30)
         if client.is_alive():
             client.kill()
     n = args.idle_streams
@@ -546,6 +542,7 @@ def run_idle(target: str, key: str, gateway_pid: int | None, args: argparse.Name
             "kib_per_stream": round(growth / n, 1) if growth is not None else None,
             "answered_after_idle": answered,
             "ended_while_idle": again["ended_while_idle"],
+            # requests of either round not answered, and streams not ending with OK
             "errors": (n - sum(v for k, v in opened["outcomes"].items() if k.startswith("finished:")))
             + (n - answered) + sum(v for k, v in again["statuses"].items() if k != "OK")}
 
@@ -556,14 +553,15 @@ def run_idle(target: str, key: str, gateway_pid: int | None, args: argparse.Name
 def server_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
     """The servers' environment, and the settings the bench sets (for its conditions)."""
     most = max([*args.levels, args.idle_streams])
-    needed = {
-        # Default 50 a second (a burst of 50): each level starts with one request per stream at
-        # once, and the idle streams ask all at once.
-        "FINSIEVE_TENANT_REQUESTS_PER_S": str(2 * most),
-        # Default 64: every stream here is one tenant's.
-        "FINSIEVE_TENANT_CONCURRENT_STREAMS": str(2 * most),
-    }
-    if args.idle_streams > 1000:  # the default FINSIEVE_MAX_STREAMS (calls open at once)
+    defaults, needed = Settings(), {}
+    # Each level starts with one request a stream at once, and the idle streams ask all at
+    # once: the tenant's burst (its rate a second) must hold them. Every stream here is one
+    # tenant's, and the idle streams are calls open at once on one gateway.
+    if 2 * most > defaults.tenant_requests_per_s:
+        needed["FINSIEVE_TENANT_REQUESTS_PER_S"] = str(2 * most)
+    if 2 * most > defaults.tenant_concurrent_streams:
+        needed["FINSIEVE_TENANT_CONCURRENT_STREAMS"] = str(2 * most)
+    if args.idle_streams > defaults.max_streams:
         needed["FINSIEVE_MAX_STREAMS"] = str(args.idle_streams + 100)
     env = {**os.environ, **needed, "FINSIEVE_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
     # torch's threads wait passively, as in the test suite: spinning, they keep a core from
@@ -575,7 +573,7 @@ def server_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]
         # (MaxConnectionsError) instead of waiting: a gateway whose requests run more Redis
         # commands at once than that refuses some (their audit records cannot be written).
         # Each request holds one connection at a time, its completion's record another.
-        args.redis_max_connections = 2 * most
+        args.redis_max_connections = 2 * most if 2 * most > REDIS_PY_POOL else 0
     if args.redis_max_connections:
         shown["FINSIEVE_REDIS_URL_FILE"] = f"its URL with ?max_connections={args.redis_max_connections}"
     return env, shown
@@ -648,8 +646,8 @@ def run(args: argparse.Namespace) -> dict:
 def _level(targets: list[str], key: str, n: int, args: argparse.Namespace, watch: Watch) -> dict:
     row = run_level(targets, key, n, args, watch)
     print(f"  {n:>4} streams: {row['completed']} requests, {row['tokens_per_s']:.1f} tokens/s, "
-          f"errors {row['errors']} {row['errors_by_code'] or ''}, load {row['load_1min_at_end']}",
-          flush=True)
+          f"errors {row['errors']} {row['errors_by_code'] or ''}, engines' queue (mean) "
+          f"{row['engine_queue_mean']}, load {row['load_1min_at_end']}", flush=True)
     return row
 
 
@@ -722,7 +720,7 @@ def main() -> None:
                     "the engine's CPU is in it)")
     ap.add_argument("--redis-max-connections", type=int, default=-1,
                     help="the servers' Redis connection pool (their URL's max_connections; default: "
-                    "twice the most streams; 0: redis-py's default, 100)")
+                    "twice the most streams, if more than redis-py's default, 100; 0: that default)")
     ap.add_argument("--keep", action="store_true", help="keep the servers' logs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "load.json")
     args = ap.parse_args()
