@@ -346,7 +346,7 @@ class Watch:
 
     groups: dict[str, list[int]]
     engine_metrics: list[str]
-    check: Callable[[], None] | None = None
+    check: Callable[[], None]
 
 
 def run_level(targets: list[str], key: str, n: int, args: argparse.Namespace, watch: Watch) -> dict:
@@ -376,8 +376,7 @@ def run_level(targets: list[str], key: str, n: int, args: argparse.Namespace, wa
                 queues.append(engine_queue(watch.engine_metrics))
         cpu1 = cpu_by_group(groups)
         load = os.getloadavg()[0]
-        if watch.check:
-            watch.check()
+        watch.check()
         for _ in workers:
             streams += queue.get(timeout=args.drain + 60)
         for w in workers:
@@ -606,9 +605,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.target:
         targets, key = [args.target], Path(args.key_file).read_text().strip()
         pids = [args.gateway_pid] if args.gateway_pid else []
-        watch = Watch({"gateways": pids, "gateway children": [c for p in pids for c in children(p)]}, [])
+        watch = Watch({"gateways": pids, "gateway children": [c for p in pids for c in children(p)]},
+                      [], lambda: None)
         result["deployment"] = f"the server at {args.target} (started elsewhere)"
-        warm_up(targets, key, args, lambda: None)
+        warm_up(targets, key, args, watch.check)
         result["levels"] = [_level(targets, key, n, args, watch) for n in args.levels]
         result["idle"] = run_idle(args.target, key, args.gateway_pid, args)
     else:
