@@ -100,7 +100,8 @@ class DurableAuditLog(AuditLog):
         return record
 
     async def _acknowledge(self, record: dict[str, Any]) -> None:
-        """Spool the record (fsynced) and make it the guard. Raises AuditError."""
+        """Spool the record (fsynced), make it the guard and the newest to anchor. Raises
+        AuditError."""
         line = stored(record).encode()
         try:
             try:
@@ -112,6 +113,7 @@ class DurableAuditLog(AuditLog):
             raise AuditError(f"audit record {record['seq']} not acknowledged: the spool "
                              f"({self.spool.directory}) refused it: {e}") from None
         self.guard = (record["seq"], guard_of(line))
+        self.last = (record["seq"], record["hmac"])
 
     # -- checking -------------------------------------------------------------------------
 

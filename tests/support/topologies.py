@@ -346,5 +346,15 @@ def wait_replicated(primary: Node, timeout: float = 10.0) -> None:
         raise AssertionError("the replicas did not catch up")
 
 
+def stall_replicas(primary: Node, replicas: list[Node]) -> None:
+    """Freeze the replicas and drop their links, so that what `primary` writes from now on
+    reaches none of them (a frozen replica's kernel would still take data on a live link):
+    a killed primary then loses it, as a primary whose replicas lag does. thaw() them after."""
+    for r in replicas:
+        r.freeze()
+    with primary.client() as c:
+        c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+
+
 def elapsed(since: float) -> float:
     return round(time.monotonic() - since, 2)
