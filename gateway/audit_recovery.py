@@ -79,6 +79,10 @@ class DurableAuditLog(AuditLog):
         super().__init__(client, key, **kw)
         self.spool = spool
         self.writer = writer  # named in the records it restores
+        # A recovery that failed part way (Redis failed again): until one completes, every
+        # append and check runs it first (the guard then names a restored record, which
+        # would not show what is still missing).
+        self.unfinished = False
         # The first guard: the newest record acknowledged before a restart.
         newest = None
         for path, size in spool.snapshot():
@@ -91,6 +95,8 @@ class DurableAuditLog(AuditLog):
     # -- acknowledging --------------------------------------------------------------------
 
     async def _append_record(self, kind: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        if self.unfinished:
+            await self._recover(deadline)
         try:
             record = await self._append_unlocked(kind, body, deadline)
         except GuardLost:
@@ -135,6 +141,8 @@ class DurableAuditLog(AuditLog):
         return restored
 
     async def _guard_holds(self) -> bool:
+        if self.unfinished:
+            return False
         if self.guard is None:
             return True
         seq, digest = self.guard
@@ -154,6 +162,7 @@ class DurableAuditLog(AuditLog):
         log.error("audit records this process acknowledged are missing from Redis (a failover?); "
                   "restoring them from the spool", guard_seq=self.guard[0] if self.guard else None)
         self.guard = None  # what it guarded is being restored: appends must not check it
+        self.unfinished = True
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 checkpoint = await self.checkpoint()
@@ -174,6 +183,7 @@ class DurableAuditLog(AuditLog):
         except ERRORS as e:
             RECOVERIES.labels("failed").inc()
             raise AuditError(f"restoring lost audit records failed: {type(e).__name__}: {e}") from None
+        self.unfinished = False
         RECOVERIES.labels("done").inc()
         log.warning("audit records restored from the spool", restored=len(done))
         return len(done)

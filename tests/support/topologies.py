@@ -43,6 +43,7 @@ class Node:
     password: str
     process: subprocess.Popen[bytes]
     directory: Path
+    command: list[str]
 
     @property
     def address(self) -> str:
@@ -78,6 +79,13 @@ class Node:
     def thaw(self) -> None:
         self.process.send_signal(signal.SIGCONT)
 
+    def restart(self, timeout: float = 10.0) -> None:
+        """Start it again on its port, with its data (a restarted pod): a killed primary comes
+        back and is made a replica of the one promoted in its place."""
+        self.process = _spawn(self.command)
+        if not wait_for(lambda: self.answers() or not self.alive(), timeout) or not self.alive():
+            raise RuntimeError(f"valkey {self.name} did not restart")
+
     def stop(self) -> None:
         if self.alive():
             self.process.send_signal(signal.SIGCONT)  # a frozen node cannot take SIGTERM
@@ -99,15 +107,18 @@ def start_node(directory: Path, name: str, host: str, password: str, lines: list
     config.write_text("\n".join([
         f"bind {host}", f"port {port}", f"dir {home}", "daemonize no", "save \"\"",
         "logfile valkey.log", f"requirepass {password}", *lines, ""]))
-    process = subprocess.Popen([*server_command(valkey_binary(), config), *flags],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    node = Node(name, host, port, password, process, home)
+    command = [*server_command(valkey_binary(), config), *flags]
+    node = Node(name, host, port, password, _spawn(command), home, command)
     if not wait_for(lambda: node.answers() or not node.alive(), timeout) or not node.alive():
         node.stop()
         log = home / "valkey.log"
         raise RuntimeError(f"valkey {name} did not start: {log.read_text()[-2000:] if log.exists() else ''}")
     return node
+
+
+def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
 
 
 def _data_lines(password: str) -> list[str]:
@@ -337,11 +348,14 @@ class Cluster(_Topology):
 
 
 def wait_replicated(primary: Node, timeout: float = 10.0) -> None:
-    """Until every replica of `primary` has acknowledged everything it has written."""
+    """Until every replica of `primary` has acknowledged what it had written by now (writes
+    may go on meanwhile)."""
+    target = int(primary.client().info("replication")["master_repl_offset"])
+
     def caught_up() -> bool:
         info = primary.client().info("replication")
         offsets = [int(v["offset"]) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
-        return bool(offsets) and min(offsets) >= int(info["master_repl_offset"])
+        return bool(offsets) and min(offsets) >= target
     if not wait_for(caught_up, timeout, every=0.05):
         raise AssertionError("the replicas did not catch up")
 

@@ -36,7 +36,8 @@ def test_settings_from_environment_and_flags():
      ({"FINSIEVE_AUDIT_SPOOL_MAX_RECORDS": "-1"}, "FINSIEVE_AUDIT_SPOOL_MAX_RECORDS: must not be negative"),
      ({"FINSIEVE_AUDIT_SPOOL_MAX_BYTES": "4096"}, "FINSIEVE_AUDIT_SPOOL_MAX_BYTES: at least 1048576"),
      ({"FINSIEVE_AUDIT_SPOOL_KEEP_S": "0"}, "FINSIEVE_AUDIT_SPOOL_KEEP_S: must be positive"),
-     ({"FINSIEVE_AUDIT_WAITAOF_LOCAL": "maybe"}, "FINSIEVE_AUDIT_WAITAOF_LOCAL: 'maybe': expected true or false")],
+     ({"FINSIEVE_AUDIT_WAITAOF_LOCAL": "maybe"},
+      "FINSIEVE_AUDIT_WAITAOF_LOCAL: 'maybe': expected true or false")],
 )
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
