@@ -65,7 +65,8 @@ def check(scenario: str, server: Server, url: str, officer: str, clients: Client
     verified = cli("audit", "verify", "--target", server.audit_target, key=officer, prefix=prefix)
     log = server.log()
     row = {"scenario": scenario, "answered": statuses["OK"], "unavailable": statuses["UNAVAILABLE"],
-           "missing_at_first": at_first, "lost": len(missing), "restored": log.count('"event": "audit record restored'),
+           "missing_at_first": at_first, "lost": len(missing),
+           "restored": log.count('"event": "audit record restored'),
            "recoveries": log.count('"event": "audit records restored from the spool"'),
            "verify": "intact" if verified.returncode == 0 else "BROKEN"}
     print(f"\nCHAOS {row}")
