@@ -358,9 +358,9 @@ class AuditLog:
 
     def _acks_said(self, acks: Any) -> str:
         if self.waitaof_local:
-            return (f"was not fsynced within {self.wait_timeout_ms} ms: the primary's AOF "
-                    f"{'has' if int(acks[0]) else 'does not have'} it, {int(acks[1])} of "
-                    f"{self.wait_replicas} replicas' have it (FINSIEVE_AUDIT_WAITAOF_LOCAL, "
+            return (f"was not fsynced within {self.wait_timeout_ms} ms: the primary "
+                    f"{'did' if int(acks[0]) else 'did not'}, {int(acks[1])} of "
+                    f"{self.wait_replicas} replicas did (FINSIEVE_AUDIT_WAITAOF_LOCAL, "
                     "FINSIEVE_AUDIT_WAIT_REPLICAS)")
         return (f"reached {int(acks)} of {self.wait_replicas} replicas within "
                 f"{self.wait_timeout_ms} ms (FINSIEVE_AUDIT_WAIT_REPLICAS)")
