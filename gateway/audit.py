@@ -328,6 +328,10 @@ class AuditLog:
             raise GuardLost(f"audit record {guard_seq}, acknowledged by this process, is no longer "
                             "in Redis as written (a failover lost it?)")
         if done == -1:
+            if await self.redis.get(record_key(seq)) == args[2].encode():
+                # redis-py sent the script again after a connection failed: the first landed.
+                raise AuditError(f"audit record {seq} was written, but its reply was lost with "
+                                 "the connection: not acknowledged")
             raise AuditError(f"audit append refused: record {seq} already exists, so the "
                              "chain head was rewound; run `finsieve audit verify`")
         if done == 1 and not self._acknowledged(acks):

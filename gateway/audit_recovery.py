@@ -83,14 +83,14 @@ class DurableAuditLog(AuditLog):
         # append and check runs it first (the guard then names a restored record, which
         # would not show what is still missing).
         self.unfinished = False
-        # The first guard: the newest record acknowledged before a restart.
-        newest = None
-        for path, size in spool.snapshot():
-            for rec, line in self._verified(Spool.read(path, size)):
-                newest = (rec, line)
-        if newest is not None:
-            self.guard = (newest[0]["seq"], guard_of(newest[1]))
-            self.last = (newest[0]["seq"], newest[0]["hmac"])
+        # The first guard: the newest record acknowledged before a restart (the newest line
+        # that verifies, read from the end).
+        for path, size in reversed(spool.snapshot()):
+            for line in reversed(Spool.read(path, size)):
+                for rec, _ in self._verified([line]):
+                    self.guard = (rec["seq"], guard_of(line))
+                    self.last = (rec["seq"], rec["hmac"])
+                    return
 
     # -- acknowledging --------------------------------------------------------------------
 
@@ -112,12 +112,14 @@ class DurableAuditLog(AuditLog):
         try:
             try:
                 await asyncio.to_thread(self.spool.write, line)
-            except SpoolFull:  # a check may free the segments already in Redis
-                await self._check_unlocked(time.monotonic() + CHECK_TIMEOUT_S)
+            except SpoolFull:  # the records spooled before the guard may go, if it holds
+                started = self.spool.clock()
+                if await self._guard_holds():
+                    await asyncio.to_thread(self.spool.confirmed, started)
                 await asyncio.to_thread(self.spool.write, line)
-        except OSError as e:  # SpoolFull included
+        except ERRORS as e:  # SpoolFull and the spool's other OSErrors included
             raise AuditError(f"audit record {record['seq']} not acknowledged: the spool "
-                             f"({self.spool.directory}) refused it: {e}") from None
+                             f"({self.spool.directory}) refused it: {type(e).__name__}: {e}") from None
         self.guard = (record["seq"], guard_of(line))
         self.last = (record["seq"], record["hmac"])
 

@@ -157,3 +157,21 @@ def test_a_tampered_spool_injects_no_record(valkey, tmp_path):
     assert [r and r.get("request_id") for r in records] == ["r0", "r1", None, None]
     assert records[2]["type"] == "restored" and records[2]["restored"]["request_id"] == "r3"
     assert last[0] == 3
+
+
+def test_a_full_spool_drops_only_records_a_check_found_in_redis(valkey, tmp_path):
+    """At its bound, the spool makes room from records the guard shows are in Redis (even
+    younger than keep_s), and the append is acknowledged; nothing unchecked is dropped."""
+    from gateway.spool import DROPPED_EARLY
+
+    async def go(client):
+        log = DurableAuditLog(client, KEY, Spool(tmp_path / "spool", 8, 1 << 20, 3600), "gateway")
+        dropped = DROPPED_EARLY._value.get()
+        seqs = [await log.append("request", {"request_id": f"r{i}"}) for i in range(12)]
+        kept = [json.loads(line)["seq"] for path, size in log.spool.snapshot()
+                for line in Spool.read(path, size)]
+        return seqs, kept, DROPPED_EARLY._value.get() - dropped
+
+    seqs, kept, dropped = run(valkey, go)
+    assert seqs == list(range(1, 13))
+    assert kept == list(range(5, 13)) and dropped == 4  # whole segments of one record each
