@@ -17,6 +17,8 @@ from gateway.anchors import AnchorWriter
 from gateway.audit import HEAD, AuditError, AuditLog, parse, record_key, restored_key
 from gateway.audit_recovery import DurableAuditLog
 from gateway.audit_verify import verify
+from gateway.keys import KeyStore
+from gateway.limits import LIMIT_ERRORS, Limiter, TenantLimits
 from gateway.spool import Spool
 
 from support.topologies import Cluster, SentinelSet, stall_replicas, wait_replicated
@@ -71,15 +73,34 @@ def test_a_failover_loses_no_acknowledged_record(tmp_path, topology):
                 verdict = await verify(log, anchor_dir=anchors.path.parent)
                 carried = [await client.zrange(restored_key(r["seq"], r["hmac"]), 0, -1)
                            for r in acked_records]
-                return acked, other_seq, lost, after, verdict, carried
+                return acked, other_seq, lost, after, verdict, carried, await other_users(log)
             finally:
                 await log.aclose()
                 await client.aclose()
                 await other_client.aclose()
 
-        acked, other_seq, lost, after, verdict, carried = asyncio.run(go())
+        acked, other_seq, lost, after, verdict, carried, others = asyncio.run(go())
     assert acked == [6, 7, 8]
     assert other_seq == 6  # the promoted replica had records 1-5 only: the three were lost
     assert not lost.ok and "records 7 to 8 are missing: the chain was cut after record 6" in lost.reason
     assert after == 10 and verdict.ok and verdict.restored == 3, verdict
     assert [len(c) for c in carried] == [1, 1, 1]  # each acknowledged record is carried once
+    assert others == {"trimmed_two_or_more": True, "verify_after_trim": True, "admitted": 0, "stream": 0,
+                      "limit_errors": 0, "key_found": True}
+
+
+async def other_users(log: AuditLog) -> dict:
+    """Retention (a script and a transaction), tenant limits (a two-key script, a lease) and
+    API keys (a transaction) on the same topology: each touches keys of one slot only."""
+    client = log.redis
+    third = parse(await client.get(record_key(3)))
+    trimmed = await log.trim(third["ts_ms"])  # records 1 and 2 at least are older
+    errors = LIMIT_ERRORS._value.get()
+    limiter = Limiter(client, TenantLimits(5.0, 1000, 3), {})
+    admitted, stream = await limiter.admit("bank-a"), await limiter.open_stream("bank-a", "s-1")
+    await limiter.charge("bank-a", 10)
+    keys = KeyStore(client, b"k" * 32)
+    _, info = await keys.create("bank-a", "app", "failover test", 0)
+    return {"trimmed_two_or_more": trimmed >= 2, "verify_after_trim": (await verify(log)).ok,
+            "admitted": admitted, "stream": stream, "limit_errors": LIMIT_ERRORS._value.get() - errors,
+            "key_found": (await keys.get(info.key_id)) == info}
