@@ -286,7 +286,6 @@ def _why(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-
 class SlotPrimary:
     """A plain client whose connection reaches the primary that takes the writes to a key:
     the client itself, or on a Cluster a client of the node that serves the key's slot now.
