@@ -110,11 +110,12 @@ def test_a_cluster_primary_killed_mid_stream_with_waitaof(tmp_path, default_mode
     the chain's replica is stalled, requests are refused; the primary is killed, its replica
     promoted, the old primary restarted (as a pod would be) and made a replica: nothing
     acknowledged was lost, so there is nothing to restore."""
-    with Cluster(tmp_path / "redis") as cluster:
+    with Cluster(tmp_path / "redis", appendfsync="always") as cluster:
         url = cluster.url()
         server = start_server(tmp_path, "--model", str(default_model_dir),
                               env={**ENV, "FINSIEVE_REDIS_URL": url, "FINSIEVE_AUDIT_WAIT_REPLICAS": "1",
-                                   "FINSIEVE_AUDIT_WAITAOF_LOCAL": "true"})
+                                   "FINSIEVE_AUDIT_WAITAOF_LOCAL": "true",
+                                   "FINSIEVE_AUDIT_WAIT_TIMEOUT_MS": "2000"})
         try:
             app, officer = serving(server, url)
             with Clients(server.target, app) as clients:

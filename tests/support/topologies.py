@@ -121,8 +121,8 @@ def _spawn(command: list[str]) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL)
 
 
-def _data_lines(password: str) -> list[str]:
-    return ["appendonly yes", "appendfsync everysec", f"masterauth {password}",
+def _data_lines(password: str, appendfsync: str) -> list[str]:
+    return ["appendonly yes", f"appendfsync {appendfsync}", f"masterauth {password}",
             "repl-ping-replica-period 1", "repl-diskless-sync-delay 0"]
 
 
@@ -151,6 +151,7 @@ class SentinelSet(_Topology):
     host: str = "127.0.0.1"
     master: str = "finsieve"
     down_after_ms: int = 1000
+    appendfsync: str = "everysec"  # "always" for WAITAOF: everysec fsyncs about once a second
     password: str = field(default_factory=lambda: secrets.token_hex(16))
     sentinel_password: str = field(default_factory=lambda: secrets.token_hex(16))
     nodes: list[Node] = field(default_factory=list)
@@ -165,12 +166,12 @@ class SentinelSet(_Topology):
 
     def _start(self) -> None:
         primary = start_node(self.directory, "primary", self.host, self.password,
-                             _data_lines(self.password))
+                             _data_lines(self.password, self.appendfsync))
         self.nodes.append(primary)
         for i in range(self.replicas):
             self.nodes.append(start_node(
                 self.directory, f"replica{i + 1}", self.host, self.password,
-                [*_data_lines(self.password), f"replicaof {primary.host} {primary.port}"]))
+                [*_data_lines(self.password, self.appendfsync), f"replicaof {primary.host} {primary.port}"]))
         if not wait_for(lambda: self._replicas_online(primary) == self.replicas, 20):
             raise RuntimeError("the replicas did not connect to the primary")
         quorum = self.sentinels // 2 + 1
@@ -258,6 +259,7 @@ class Cluster(_Topology):
     replicas: int = 1
     host: str = "127.0.0.1"
     node_timeout_ms: int = 1000
+    appendfsync: str = "everysec"  # "always" for WAITAOF: everysec fsyncs about once a second
     password: str = field(default_factory=lambda: secrets.token_hex(16))
     nodes: list[Node] = field(default_factory=list)
 
@@ -269,7 +271,7 @@ class Cluster(_Topology):
             raise
 
     def _start(self) -> None:
-        lines = [*_data_lines(self.password), "cluster-enabled yes",
+        lines = [*_data_lines(self.password, self.appendfsync), "cluster-enabled yes",
                  "cluster-config-file nodes.conf", f"cluster-node-timeout {self.node_timeout_ms}"]
         count = self.primaries * (1 + self.replicas)
         # The bus port is set: the default (port + 10000) may not exist for a free port.
