@@ -225,16 +225,24 @@ class DurableAuditLog(AuditLog):
         raws = await self.redis.mget([record_key(r["seq"]) for r in todo])
         missing = [r for r, raw in zip(todo, raws, strict=True)
                    if (parse(raw) or {}).get("hmac") != r["hmac"]]
-        if not missing:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for r in missing:
-                pipe.exists(restored_key(r["seq"], r["hmac"]))
-            carried = await pipe.execute()
-        for r, already in zip(missing, carried, strict=True):
-            if not already:
+        for r in missing:
+            if not await self._carried_in_redis(r):
                 await self._restore(r, deadline)
                 done.add((r["seq"], r["hmac"]))
+
+    async def _carried_in_redis(self, record: dict[str, Any]) -> bool:
+        """Whether a sealed `restored` record in Redis carries `record` (its index entry is
+        checked, not trusted: a planted one must not stop a restore)."""
+        members = cast("list[bytes]", await self.redis.zrange(
+            restored_key(record["seq"], record["hmac"]), 0, 9))
+        for member in members:
+            wrapper = parse(await self.redis.get(record_key(int(member)))) if member.isdigit() else None
+            inner = (wrapper or {}).get("restored")
+            if wrapper is not None and wrapper.get("type") == "restored" \
+                    and sealed_ok(self.key, wrapper) and isinstance(inner, dict) \
+                    and (inner.get("seq"), inner.get("hmac")) == (record["seq"], record["hmac"]):
+                return True
+        return False
 
     async def _restore(self, record: dict[str, Any], deadline: float) -> None:
         """As written where it links to the head; otherwise inside a `restored` record."""

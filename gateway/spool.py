@@ -56,9 +56,19 @@ class Spool:
         self.clock = clock
         self.checked_at = 0.0  # start of the last check that found the spooled records intact
         self.segments = [self._open(p) for p in sorted(self.directory.glob("*.jsonl"), key=_number)
-                         if _number(p) >= 0 and p.is_file() and not p.is_symlink()]
+                         if self._ours(p)]
         self._fd: int | None = None
         self._gauges()
+
+    def _ours(self, path: Path) -> bool:
+        """A segment file as this class writes them: a number, a plain file within the bound."""
+        if _number(path) < 0 or path.is_symlink() or not path.is_file():
+            return False
+        if path.stat().st_size > self.max_bytes:
+            log.error("audit spool file ignored: larger than FINSIEVE_AUDIT_SPOOL_MAX_BYTES",
+                      path=str(path))
+            return False
+        return True
 
     @staticmethod
     def _open(path: Path) -> Segment:
@@ -99,7 +109,8 @@ class Spool:
         if last is None or last.records >= max(1, self.max_records // SEGMENTS) \
                 or last.bytes + size > max(4096, self.max_bytes // SEGMENTS):
             self.close()
-            number = _number(last.path) + 1 if last else 0
+            # Past every numbered file, an ignored one included: never append to a stranger.
+            number = max((_number(p) for p in self.directory.glob("*.jsonl")), default=-1) + 1
             last = Segment(self.directory / f"{number:012d}.jsonl", 0, 0, self.clock())
             self.segments.append(last)
         return last

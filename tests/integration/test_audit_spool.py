@@ -22,6 +22,7 @@ from gateway.audit import (
     index_values,
     parse,
     record_key,
+    restored_key,
     seal,
     stored,
 )
@@ -175,3 +176,19 @@ def test_a_full_spool_drops_only_records_a_check_found_in_redis(valkey, tmp_path
     seqs, kept, dropped = run(valkey, go)
     assert seqs == list(range(1, 13))
     assert kept == list(range(5, 13)) and dropped == 4  # whole segments of one record each
+
+
+def test_a_planted_restored_index_entry_does_not_stop_a_restore(valkey, tmp_path):
+    """Someone who can write Redis claims a lost record is already carried by a `restored`
+    record (an index entry naming another record): the claim is checked, the record restored."""
+    async def go(client):
+        log = durable(client, tmp_path)
+        for i in range(4):
+            await log.append("request", {"request_id": f"r{i}"})
+        lost = parse(await client.get(record_key(4)))
+        await lose_newest(client, 3)
+        await client.zadd(restored_key(4, lost["hmac"]), {f"{2:020d}": 1})
+        return await log.check(), await client.get(record_key(4)), lost
+
+    restored, raw, lost = run(valkey, go)
+    assert restored == 1 and parse(raw) == lost

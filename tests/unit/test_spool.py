@@ -76,6 +76,7 @@ def test_a_torn_last_line_is_cut_off_and_a_reopened_spool_goes_on(tmp_path):
         f.write(b'{"torn')  # a crash mid-write
     os.chmod(segment, 0o644)
     (tmp_path / "000000000099.jsonl").symlink_to(tmp_path / "elsewhere")  # never followed
+    (tmp_path / "000000000098.jsonl").write_bytes(b"x" * (2 << 20))  # over the bound: not ours
     again = Spool(tmp_path, max_records=100, max_bytes=1 << 20, keep_s=60)
     again.write(b"three")
     assert lines(again) == [b"one", b"two", b"three"]
