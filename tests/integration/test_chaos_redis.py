@@ -40,7 +40,7 @@ def serving(server: Server, url: str) -> tuple[str, str]:
 
 
 def head_of(node) -> int:
-    return int(node.client().hget(HEAD, "seq") or 0)
+    return int(node.call("HGET", HEAD, "seq") or 0)
 
 
 def settle(clients: Clients, count: int = 5, timeout: float = 120) -> float:

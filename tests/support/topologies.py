@@ -5,7 +5,8 @@ namespace). Every process dies with the test process (valkey.server_command) and
 ends them all; each waits for its condition with a deadline, never a bare sleep.
 
     with SentinelSet(tmp_path) as s:        # FINSIEVE_REDIS_URL=s.url()
-        old = s.kill_primary()              # kill -9
+        old = s.primary()
+        old.kill()                          # kill -9
         new = s.wait_promoted(old)
 
     with Cluster(tmp_path) as c:            # FINSIEVE_REDIS_URL=c.url()
@@ -19,7 +20,6 @@ from __future__ import annotations
 import secrets
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +56,10 @@ class Node:
     def call(self, *args, timeout: float = 2.0):
         with self.client(timeout) as c:
             return c.execute_command(*args)
+
+    def info(self, section: str) -> dict:
+        with self.client() as c:
+            return c.info(section)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -197,7 +201,7 @@ class SentinelSet(_Topology):
     @staticmethod
     def _replicas_online(primary: Node) -> int:
         try:
-            info = primary.client().info("replication")
+            info = primary.info("replication")
         except (redis.RedisError, OSError):
             return 0
         return sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
@@ -230,11 +234,6 @@ class SentinelSet(_Topology):
 
     def data_replicas(self, of: Node) -> list[Node]:
         return [n for n in self.nodes if n not in self.watchers and n is not of and n.alive()]
-
-    def kill_primary(self) -> Node:
-        old = self.primary()
-        old.kill()
-        return old
 
     def wait_promoted(self, old: Node, timeout: float = 30.0) -> Node:
         """The replica the sentinels promoted once `old` failed, serving writes."""
@@ -331,7 +330,7 @@ class Cluster(_Topology):
         raise AssertionError(f"no live node knows who serves slot {slot}")
 
     def replicas_of(self, primary: Node) -> list[Node]:
-        info = primary.client().info("replication")
+        info = primary.info("replication")
         ports = {int(v["port"]) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)}
         return [n for n in self.nodes if n.port in ports]
 
@@ -352,10 +351,10 @@ class Cluster(_Topology):
 def wait_replicated(primary: Node, timeout: float = 10.0) -> None:
     """Until every replica of `primary` has acknowledged what it had written by now (writes
     may go on meanwhile)."""
-    target = int(primary.client().info("replication")["master_repl_offset"])
+    target = int(primary.info("replication")["master_repl_offset"])
 
     def caught_up() -> bool:
-        info = primary.client().info("replication")
+        info = primary.info("replication")
         offsets = [int(v["offset"]) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
         return bool(offsets) and min(offsets) >= target
     if not wait_for(caught_up, timeout, every=0.05):
@@ -370,7 +369,3 @@ def stall_replicas(primary: Node, replicas: list[Node]) -> None:
         r.freeze()
     with primary.client() as c:
         c.execute_command("CLIENT", "KILL", "TYPE", "replica")
-
-
-def elapsed(since: float) -> float:
-    return round(time.monotonic() - since, 2)
