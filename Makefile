@@ -67,6 +67,9 @@ test-slow: setup
 test-gpu: setup
 	$(BIN)/pytest -q -m gpu
 
+test-chaos: setup
+	$(BIN)/pytest -q -m chaos
+
 bench: setup
 	$(BIN)/python bench/bench_foundation.py
 	$(BIN)/python bench/bench_rules.py

@@ -94,9 +94,23 @@ class Settings:
     audit_anchor_interval_s: float = _setting(
         1.0, "while records are appended, anchor the chain head outside Redis this often")
     audit_wait_replicas: int = _setting(
-        0, "acknowledge an audit record only once this many Redis replicas have it (WAIT)")
+        0, "acknowledge an audit record only once this many Redis replicas have it (WAIT; with "
+        "FINSIEVE_AUDIT_WAITAOF_LOCAL, replicas that fsynced it to their AOF)")
+    audit_waitaof_local: bool = _setting(
+        False, "acknowledge an audit record only once the Redis primary fsynced it to its AOF "
+        "(WAITAOF 1 <FINSIEVE_AUDIT_WAIT_REPLICAS>; the primary needs appendonly yes)")
     audit_wait_timeout_ms: int = _setting(
-        1000, "how long an audit append waits for those replicas before it fails")
+        1000, "how long an audit append waits for those replicas (or fsyncs) before it fails")
+    audit_spool_max_records: int = _setting(
+        200000, "audit records kept in the local spool (<state dir>/audit-spool) to restore "
+        "what a Redis failover loses; 0 = no spool (docs/operations.md)")
+    audit_spool_max_bytes: int = _setting(256 << 20, "bytes the local audit spool may hold")
+    audit_spool_keep_s: float = _setting(
+        300.0, "a spooled record is kept this long after a check found it in Redis (longer "
+        "than replication can lag)")
+    audit_check_interval_s: float = _setting(
+        5.0, "how often a gateway checks that the audit records it acknowledged are still in "
+        "Redis (every append checks the newest one too)")
     audit_page_bytes: int = _setting(
         4 << 20, "largest page of records an officer's query or export returns at once")
     audit_nice: int = _setting(10, "CPU niceness of the officers' process (0-19)")
@@ -238,6 +252,15 @@ class Settings:
             raise ConfigError("FINSIEVE_GPU_MEMORY_UTILIZATION: must be in (0, 1]")
         if self.audit_anchor_interval_s <= 0:
             raise ConfigError("FINSIEVE_AUDIT_ANCHOR_INTERVAL_S: must be positive")
+        for name in ("audit_spool_max_records", "audit_spool_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{self.env_name(name)}: must not be negative (records: 0 = no spool)")
+        if self.audit_spool_max_records and self.audit_spool_max_bytes < 1 << 20:
+            raise ConfigError("FINSIEVE_AUDIT_SPOOL_MAX_BYTES: at least 1048576 (a record may be "
+                              "hundreds of kilobytes)")
+        for name in ("audit_spool_keep_s", "audit_check_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{self.env_name(name)}: must be positive")
         if self.audit_wait_replicas < 0 or self.audit_wait_timeout_ms <= 0:
             raise ConfigError("FINSIEVE_AUDIT_WAIT_REPLICAS / _TIMEOUT_MS: replicas must not be "
                               "negative, the timeout must be positive")

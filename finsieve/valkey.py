@@ -1,4 +1,5 @@
-"""Redis connection: a configured URL, or an embedded valkey-server owned by this process."""
+"""Redis connection: a configured URL (a server, a Sentinel-managed master or a Cluster), or an
+embedded valkey-server owned by this process."""
 
 from __future__ import annotations
 
@@ -13,11 +14,18 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from urllib.parse import unquote_plus
+from typing import Any, TypeAlias
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlencode
 
 import redis.asyncio as redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import parse_url
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
 from finsieve.secretfiles import private_dir, write_private
 
@@ -64,7 +72,8 @@ _EXEC_DYING_WITH_PARENT = (
 )
 
 
-def _server_command(binary: Path, config: Path) -> list[str]:
+def server_command(binary: Path, config: Path) -> list[str]:
+    """valkey-server with `config`, dying with this process where Linux allows it."""
     if platform.system() != "Linux" or not sys.executable:
         return [str(binary), str(config)]
     return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()),
@@ -102,7 +111,7 @@ class EmbeddedValkey:
             "appendonly yes", f"appendfsync {self.appendfsync}", 'save ""', "daemonize no",
             "protected-mode yes", "logfile valkey.log", f"requirepass {self.password}", ""]))
         self.process = subprocess.Popen(
-            _server_command(self.binary or valkey_binary(), config), stdin=subprocess.DEVNULL,
+            server_command(self.binary or valkey_binary(), config), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             umask=0o077,  # data files 0600, directories 0700
             env={k: os.environ[k] for k in CHILD_ENV if k in os.environ},
@@ -134,21 +143,182 @@ class EmbeddedValkey:
             proc.wait()
 
 
-async def connect(url: str, timeout: float = 3.0, password: str | None = None) -> redis.Redis:
+# The URL forms FINSIEVE_REDIS_URL takes, by scheme (docs/operations.md, "Redis").
+SERVER_SCHEMES = ("redis", "rediss", "unix")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+FORMS = ("redis://[user:password@]host:port[/db], rediss://..., unix:///path, "
+         "redis+sentinel://[user:password@]host:26379,host:26379/<master-name>[/db], "
+         "redis+cluster://[user:password@]host:port,host:port (and rediss+...)")
+# Query parameters of a Sentinel URL that are the sentinels' own credentials, not the data
+# nodes'; every other parameter is a connection option for the data nodes (and the
+# sentinels, for TLS), parsed as redis-py parses it.
+SENTINEL_AUTH = ("sentinel_username", "sentinel_password")
+
+# What a Redis client can raise: redis-py's errors, the Cluster client's own (which are not
+# RedisErrors: an unreachable cluster, an uncovered slot) and the socket's.
+ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException, OSError)
+
+Client: TypeAlias = "redis.Redis | RedisCluster"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A Sentinel or Cluster URL, parsed: where to find the nodes and how to talk to them."""
+
+    kind: str  # "sentinel" or "cluster"
+    hosts: tuple[tuple[str, int], ...]
+    master: str  # Sentinel: the monitored master's name
+    options: dict[str, Any]  # connection options of the data nodes (credentials, db, TLS)
+    sentinel_auth: dict[str, str]  # the sentinels' own username and password (if any)
+
+
+class _SentinelMaster(redis.Redis):
+    """The client of a Sentinel-managed master; closing it closes the sentinels' clients."""
+
+    sentinels: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinels is not None:
+            await self.sentinels.aclose()
+
+
+def _host_port(item: str, default_port: int) -> tuple[str, int]:
+    """`host`, `host:port` or `[v6]:port` (ValueError saying which item is wrong)."""
+    host, port = item, ""
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif ":" in item:
+        host, _, port = item.rpartition(":")
+    if not host or not (port.isdigit() or not port) or not 0 < int(port or default_port) < 65536:
+        raise ValueError(f"{item!r} is not host:port")
+    return unquote(host), int(port or default_port)
+
+
+def parse_topology(url: str) -> Topology:
+    """A redis+sentinel:// or redis+cluster:// URL (or rediss+...), or ValueError saying what
+    is wrong without quoting a secret. The user information is split off at the last '@',
+    as redact() does, so a password may hold any character (percent-encoded or not)."""
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    kind = "sentinel" if scheme in SENTINEL_SCHEMES else "cluster"
+    userinfo, at, hostpart = rest.rpartition("@")
+    hostpart, _, query = hostpart.partition("?")
+    hosts, _, path = hostpart.partition("/")
+    default_port = 26379 if kind == "sentinel" else 6379
+    seeds = tuple(_host_port(h.strip(), default_port) for h in hosts.split(",") if h.strip())
+    if not seeds:
+        raise ValueError(f"no {'sentinel' if kind == 'sentinel' else 'seed node'} host:port")
+    params = parse_qsl(query, keep_blank_values=True)
+    sentinel_auth = {k.removeprefix("sentinel_"): v for k, v in params if k in SENTINEL_AUTH and v}
+    if kind == "cluster" and sentinel_auth:
+        raise ValueError("sentinel_username / sentinel_password: only for a Sentinel URL")
+    # redis-py parses the remaining options (and the TLS of rediss) as it does for redis://.
+    base = "rediss" if scheme.startswith("rediss") else "redis"
+    options: dict[str, Any] = dict(parse_url(
+        f"{base}://localhost/?{urlencode([(k, v) for k, v in params if k not in SENTINEL_AUTH])}"))
+    options.pop("host", None)
+    if options.pop("connection_class", None) is not None and base == "rediss":
+        options["ssl"] = True
+    if at:
+        user, colon, password = userinfo.partition(":")
+        options.update({"username": unquote(user)} if user else {})
+        options.update({"password": unquote(password)} if colon and password else {})
+    parts = [unquote(p) for p in path.split("/") if p]
+    if kind == "sentinel":
+        if not parts or len(parts) > 2:
+            raise ValueError("the path must be /<master-name> or /<master-name>/<db>")
+        if len(parts) == 2:
+            if not parts[1].isdigit():
+                raise ValueError(f"database {parts[1]!r} is not a number")
+            options["db"] = int(parts[1])
+        return Topology(kind, seeds, parts[0], options, sentinel_auth)
+    if (parts and parts != ["0"]) or options.get("db", 0) != 0:
+        raise ValueError("a Cluster has database 0 only: leave the path out")
+    options.pop("db", None)
+    return Topology(kind, seeds, "", options, {})
+
+
+def _client(url: str, timeout: float, password: str | None) -> Client:
+    timeouts: dict[str, Any] = {"socket_connect_timeout": timeout, "socket_timeout": timeout}
+    scheme = url.partition("://")[0].lower()
+    if scheme in SENTINEL_SCHEMES:
+        t = parse_topology(url)
+        tls = {k: v for k, v in t.options.items() if k.startswith("ssl")}
+        sentinel = Sentinel(list(t.hosts), sentinel_kwargs={**timeouts, **tls, **t.sentinel_auth},
+                            **timeouts, **t.options)
+        client = sentinel.master_for(t.master, redis_class=_SentinelMaster)
+        client.sentinels = sentinel
+        return client
+    if scheme in CLUSTER_SCHEMES:
+        t = parse_topology(url)
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.hosts], **timeouts,
+                            **t.options)
+    if scheme not in SERVER_SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r} (forms: {FORMS})")
     extra: dict[str, Any] = {"password": password} if password else {}
+    return redis.Redis.from_url(url, **timeouts, **extra)
+
+
+async def connect(url: str, timeout: float = 3.0, password: str | None = None) -> Client:
+    """A client of the URL's Redis (a server, a Sentinel-managed master, or a Cluster) that
+    answers; RedisUnavailable naming FINSIEVE_REDIS_URL, never a password, otherwise."""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout,
-                                      socket_timeout=timeout, **extra)
-    except ValueError:  # redis-py's message may quote the URL, password included
-        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: not a redis:// or "
-                               "rediss:// or unix:// URL") from None
+        client = _client(url, timeout, password)
+    except (ValueError, TypeError) as e:  # redis-py's message may quote the URL, password included
+        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: {redact(str(e))}") from None
     try:
         await client.ping()
-    except (redis.RedisError, OSError) as e:
+    except ERRORS as e:
         await client.aclose()
-        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: cannot connect: "
-                               f"{redact(str(e))}") from None
+        raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: cannot connect: {_why(e)}") from None
     return client
+
+
+def _why(e: BaseException) -> str:
+    """An error's cause in one short line (redis-py's messages may hold whole client reprs)."""
+    if isinstance(e, MasterNotFoundError):
+        return ("no sentinel named a master by that name (check the sentinels' addresses, "
+                "their own password (sentinel_password) and the master's name)")
+    text = redact(str(e)).splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+class SlotPrimary:
+    """A plain client whose connection reaches the primary that takes the writes to a key:
+    the client itself, or on a Cluster a client of the node that serves the key's slot now.
+
+    WAIT and WAITAOF count what replicas acknowledged of the writes made *on the same
+    connection*; they have no key, and the Cluster client sends a keyless command to its
+    default node, which did not take the write (and would answer at once). So a write that
+    must be acknowledged goes, with its WAIT, through this client. The slot's node is looked
+    up in the Cluster client's slot map at each call (redis-py updates it on MOVED and after
+    a failed node); a write to a node that lost the slot meanwhile fails with MOVED. Its
+    connections do not retry on their own: a failed write is the caller's to retry."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._nodes: dict[str, redis.Redis] = {}
+
+    def for_key(self, key: str) -> redis.Redis:
+        if not isinstance(self.client, RedisCluster):
+            return self.client
+        node = self.client.get_node_from_key(key)
+        if node is None:  # only asked of replicas; typed Optional
+            raise SlotNotCoveredError(f"no node serves the slot of {key}")
+        pinned = self._nodes.get(node.name)
+        if pinned is None:
+            pool = redis.ConnectionPool(connection_class=node.connection_class,
+                                        **{**node.connection_kwargs, "retry": Retry(NoBackoff(), 0)})
+            pinned = self._nodes[node.name] = redis.Redis(connection_pool=pool)
+        return pinned
+
+    async def aclose(self) -> None:
+        nodes, self._nodes = self._nodes, {}
+        for pinned in nodes.values():
+            await pinned.aclose()
 
 
 def _quoted(path: Path) -> str:

@@ -32,13 +32,15 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 # cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
 from typing import Any, cast
 
-import redis.asyncio as redis
 from prometheus_client import Histogram
+
+from finsieve.valkey import ERRORS, Client, SlotPrimary
 
 TAG = "{finsieve-audit}"
 HEAD = f"{TAG}:head"
@@ -52,18 +54,21 @@ FETCH = 100  # records per Redis round trip when reading
 APPEND_SECONDS = Histogram("finsieve_audit_append_seconds", "Audit record appends",
                            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5))
 
-# KEYS: head, time index, the new record, its field indexes. Refuses when the head moved
-# (0) or when the record already exists (-1: the head was rewound; never overwrite).
+# KEYS: head, the new record, the guard (the record this writer acknowledged last), then the
+# time index and the record's field indexes. ARGV: the head's HMAC it was sealed against,
+# seq, the record, its HMAC, ts_ms, head signature, index member, and the SHA-1 of the
+# guard's stored bytes ('': no guard). Refuses when the guard is not what this writer
+# stored (-2: a failover lost it), when the head moved (0) or when the record already
+# exists (-1: the head was rewound; never overwrite).
 _APPEND = """
+if ARGV[8] ~= '' and redis.sha1hex(redis.call('GET', KEYS[3]) or '') ~= ARGV[8] then return -2 end
 local head = redis.call('HMGET', KEYS[1], 'seq', 'hmac')
 local seq = tonumber(head[1]) or 0
 if (head[2] or '') ~= ARGV[1] or seq + 1 ~= tonumber(ARGV[2]) then return 0 end
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-redis.call('SET', KEYS[3], ARGV[3])
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+redis.call('SET', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'hmac', ARGV[4], 'sig', ARGV[6])
-for i = 2, #KEYS do
-  if i ~= 3 then redis.call('ZADD', KEYS[i], ARGV[5], ARGV[7]) end
-end
+for i = 4, #KEYS do redis.call('ZADD', KEYS[i], ARGV[5], ARGV[7]) end
 return 1
 """
 
@@ -84,12 +89,21 @@ class AuditError(RuntimeError):
     """The audit trail could not be written (Redis down, contention, a rewound head)."""
 
 
+class GuardLost(AuditError):
+    """The record this writer acknowledged last is no longer in Redis as it was written."""
+
+
 def record_key(seq: int) -> str:
     return f"{TAG}:rec:{seq}"
 
 
 def index_key(field: str, value: str) -> str:
     return f"{INDEX_PREFIX}{field}:{value}"
+
+
+def restored_key(seq: int, mac: str) -> str:
+    """The index of the `restored` records that carry the record (seq, mac)."""
+    return index_key("restored", f"{seq}:{mac}")
 
 
 def derive_key(key: bytes, purpose: str) -> bytes:
@@ -130,7 +144,12 @@ def stored(record: dict[str, Any]) -> str:
 
 
 def index_values(record: dict[str, Any]) -> list[tuple[str, str]]:
-    """The (field, value) indexes a record belongs to."""
+    """The (field, value) indexes a record belongs to. A `restored` record (one lost from
+    Redis and appended again inside a new record) is in those of the record it carries,
+    and in the index of that record's seq and HMAC."""
+    inner = record.get("restored")
+    if record.get("type") == "restored" and isinstance(inner, dict) and inner.get("type") != "restored":
+        return sorted({*index_values(inner), ("restored", f"{inner.get('seq')}:{inner.get('hmac')}")})
     hashed = record.get("id_hashes")
     hashed = hashed if isinstance(hashed, dict) else {}
     values = [(f, str(hashed[f]) if f in HASHED_IDS and f in hashed else str(record[f]))
@@ -214,82 +233,145 @@ def now_ms() -> int:
 
 
 class AuditLog:
-    def __init__(self, client: redis.Redis, key: bytes, *, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000, clock_ms: Callable[[], int] = now_ms) -> None:
+    def __init__(self, client: Client, key: bytes, *, wait_replicas: int = 0,
+                 waitaof_local: bool = False, wait_timeout_ms: int = 1000,
+                 clock_ms: Callable[[], int] = now_ms) -> None:
         self.redis = client
         self.key = key
         self.wait_replicas = wait_replicas
+        self.waitaof_local = waitaof_local
         self.wait_timeout_ms = wait_timeout_ms
         self.clock_ms = clock_ms  # only the records' ts_ms; never which records are trimmed
         self._checkpoint_key = derive_key(key, "checkpoint")
         self._append = client.register_script(_APPEND)
         self._set_checkpoint = client.register_script(_CHECKPOINT)
+        self._primary = SlotPrimary(client)  # the node that takes the chain's writes
         # Appends of one process queue here instead of racing for the head; only appends
         # from other gateway processes can make the compare-and-set retry.
         self._lock = asyncio.Lock()
         self.last: tuple[int, str] | None = None  # newest (seq, hmac) this process appended
+        # (seq, SHA-1 of its stored bytes) of a record every append first checks is still in
+        # Redis as written (None: no check); see DurableAuditLog.
+        self.guard: tuple[int, str] | None = None
 
     # -- writing ------------------------------------------------------------------------
 
     async def append(self, kind: str, body: dict[str, Any], deadline_s: float = 10.0,
                      ids: dict[str, str] | None = None) -> int:
-        """Seal and append one record; returns its sequence number. Raises AuditError.
+        """Seal and append one record; returns its sequence number. Raises AuditError,
+        within about deadline_s (waiting for the appends before it included).
         `ids`: client-chosen ids as sent (HASHED_IDS), which body holds masked: indexed by
         their keyed hash."""
         if ids:
             body = {**body, "id_hashes": {f: id_hash(self.key, f, v) for f, v in sorted(ids.items())
                                           if f in HASHED_IDS and v}}
-        async with self._lock:
-            with APPEND_SECONDS.time():
-                seq, mac = await self._append_unlocked(kind, body, deadline_s)
-            self.last = (seq, mac)
-            return seq
-
-    async def _append_unlocked(self, kind: str, body: dict[str, Any],
-                               deadline_s: float) -> tuple[int, str]:
         deadline = time.monotonic() + deadline_s
+        async with self.locked(deadline_s):
+            with APPEND_SECONDS.time():
+                record = await self._append_record(kind, body, deadline)
+            self.last = (record["seq"], record["hmac"])
+            return record["seq"]
+
+    @asynccontextmanager
+    async def locked(self, timeout_s: float) -> AsyncIterator[None]:
+        """This process's appends, one at a time; AuditError if the lock is not had within
+        timeout_s (a recovery holds it while it re-appends lost records)."""
         try:
-            for attempt in itertools.count():
-                head = await self.head()
-                if head.seq < 0:
-                    raise AuditError("audit append refused: the chain head is not readable; run "
-                                     "`finsieve audit verify`")
-                seq, now = head.seq + 1, self.clock_ms()
-                record = {**body, "seq": seq, "prev": head.hmac, "type": kind, "ts_ms": now}
-                record["hmac"] = seal(self.key, record)
-                keys = [HEAD, TIME, record_key(seq),
-                        *(index_key(f, v) for f, v in index_values(record))]
-                args = [head.hmac, seq, stored(record), record["hmac"], now,
-                        head_sig(self.key, seq, record["hmac"]), index_member(seq)]
-                done, acks = await self._run_append(keys, args)
-                if done == 1:
-                    if acks < self.wait_replicas:
-                        raise AuditError(
-                            f"audit record {seq} reached {acks} of {self.wait_replicas} replicas "
-                            f"within {self.wait_timeout_ms} ms (FINSIEVE_AUDIT_WAIT_REPLICAS)")
-                    return seq, record["hmac"]
-                if done == -1:
-                    raise AuditError(f"audit append refused: record {seq} already exists, so the "
-                                     "chain head was rewound; run `finsieve audit verify`")
-                if time.monotonic() > deadline:
-                    break
-                # Another gateway appended first: back off with jitter, so none starves.
-                await asyncio.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
-        except (redis.RedisError, OSError) as e:
+            await asyncio.wait_for(self._lock.acquire(), timeout_s)
+        except TimeoutError:
+            raise AuditError(f"audit append refused: the trail was busy for {timeout_s:g} s "
+                             "(restoring records lost from Redis, or Redis slow)") from None
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    async def _append_record(self, kind: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Append one record (the lock held); the subclass adds what acknowledging it takes."""
+        return await self._append_unlocked(kind, body, deadline)
+
+    async def _append_unlocked(self, kind: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
+                for attempt in itertools.count():
+                    head = await self.head()
+                    if head.seq < 0:
+                        raise AuditError("audit append refused: the chain head is not readable; run "
+                                         "`finsieve audit verify`")
+                    record = {**body, "seq": head.seq + 1, "prev": head.hmac, "type": kind,
+                              "ts_ms": self.clock_ms()}
+                    record["hmac"] = seal(self.key, record)
+                    if await self._store(record) == 1:
+                        return record
+                    if time.monotonic() > deadline:
+                        break
+                    # Another gateway appended first: back off with jitter, so none starves.
+                    await asyncio.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
+        except TimeoutError:
+            raise AuditError("audit append failed: Redis did not answer in time") from None
+        except ERRORS as e:
             raise AuditError(f"audit append failed: {type(e).__name__}: {e}") from None
         raise AuditError("audit append failed: the chain head kept moving (contention)")
 
-    async def _run_append(self, keys: list[str], args: list[Any]) -> tuple[int, int]:
-        """The append script's answer, and how many replicas acknowledged it. WAIT must go on
-        the connection that wrote (a pipeline); without it, one round trip, as a pipeline
-        holding a script asks Redis whether it has the script first."""
-        if not self.wait_replicas:
-            return await self._append(keys=keys, args=args), 0
-        async with self.redis.pipeline(transaction=False) as pipe:
+    async def _store(self, record: dict[str, Any]) -> int:
+        """Write a sealed record if the head is still the one it links to: 1 once it is
+        acknowledged as the settings ask, 0 if the head moved. Raises GuardLost, and
+        AuditError when the record exists already or was not acknowledged in time."""
+        seq, mac = record["seq"], record["hmac"]
+        guard_seq, guard_sha = self.guard or (seq, "")
+        keys = [HEAD, record_key(seq), record_key(guard_seq), TIME,
+                *(index_key(f, v) for f, v in index_values(record))]
+        args = [record["prev"], seq, stored(record), mac, record["ts_ms"],
+                head_sig(self.key, seq, mac), index_member(seq), guard_sha]
+        done, acks = await self._run_append(keys, args)
+        if done == -2:
+            raise GuardLost(f"audit record {guard_seq}, acknowledged by this process, is no longer "
+                            "in Redis as written (a failover lost it?)")
+        if done == -1:
+            if await self.redis.get(record_key(seq)) == args[2].encode():
+                # redis-py sent the script again after a connection failed: the first landed.
+                raise AuditError(f"audit record {seq} was written, but its reply was lost with "
+                                 "the connection: not acknowledged")
+            raise AuditError(f"audit append refused: record {seq} already exists, so the "
+                             "chain head was rewound; run `finsieve audit verify`")
+        if done == 1 and not self._acknowledged(acks):
+            raise AuditError(f"audit record {seq} {self._acks_said(acks)}")
+        return done
+
+    async def _run_append(self, keys: list[str], args: list[Any]) -> tuple[int, Any]:
+        """The append script's answer, and what WAIT or WAITAOF answered after it. Both go
+        on one connection to the node that took the write (a pipeline; on a Cluster, to the
+        slot's primary: SlotPrimary). Without either, one round trip, as a pipeline holding
+        a script asks Redis whether it has the script first."""
+        writer = self._primary.for_key(HEAD)
+        if not self.wait_replicas and not self.waitaof_local:
+            return await self._append(keys=keys, args=args, client=writer), None
+        async with writer.pipeline(transaction=False) as pipe:
             await self._append(keys=keys, args=args, client=pipe)
-            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            if self.waitaof_local:
+                pipe.waitaof(1, self.wait_replicas, self.wait_timeout_ms)
+            else:
+                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
             done, acks = await pipe.execute()
         return done, acks
+
+    def _acknowledged(self, acks: Any) -> bool:
+        if self.waitaof_local:  # [1 if the primary fsynced its AOF, replicas that fsynced]
+            return int(acks[0]) >= 1 and int(acks[1]) >= self.wait_replicas
+        return acks is None or int(acks) >= self.wait_replicas
+
+    def _acks_said(self, acks: Any) -> str:
+        if self.waitaof_local:
+            return (f"was not fsynced within {self.wait_timeout_ms} ms: the primary "
+                    f"{'did' if int(acks[0]) else 'did not'}, {int(acks[1])} of "
+                    f"{self.wait_replicas} replicas did (FINSIEVE_AUDIT_WAITAOF_LOCAL, "
+                    "FINSIEVE_AUDIT_WAIT_REPLICAS)")
+        return (f"reached {int(acks)} of {self.wait_replicas} replicas within "
+                f"{self.wait_timeout_ms} ms (FINSIEVE_AUDIT_WAIT_REPLICAS)")
+
+    async def aclose(self) -> None:
+        """Close the connections of its own (a Cluster's pinned primaries); not the client's."""
+        await self._primary.aclose()
 
     async def head(self) -> Head:
         seq, mac, sig = cast("list[bytes | None]", await self.redis.hmget(HEAD, "seq", "hmac", "sig"))

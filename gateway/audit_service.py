@@ -183,7 +183,7 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
         return audit_pb2.AuditVerifyResult(
             ok=v.ok, checked=v.checked, first_bad_seq=v.first_bad_seq, reason=v.reason,
             anchor_seq=a.seq if a else 0, anchor_ts_ms=a.ts_ms if a else 0,
-            anchor_writer=a.writer if a else "")
+            anchor_writer=a.writer if a else "", restored=v.restored)
 
     async def Export(self, request: audit_pb2.AuditQuery,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[audit_pb2.AuditPage]:

@@ -37,6 +37,7 @@ from .audit import (
     now_ms,
     parse,
     record_key,
+    restored_key,
     sealed_ok,
 )
 
@@ -48,6 +49,7 @@ class Verdict:
     first_bad_seq: int = 0
     reason: str = ""
     anchor: Anchor | None = None  # the newest anchor the chain was checked against
+    restored: int = 0  # records of type `restored` walked (audit_recovery.py)
 
 
 class Broken(Exception):
@@ -87,6 +89,7 @@ class _Walk:
         for a in anchors:
             self.anchors.setdefault(a.seq, []).append(a)
         self.checked = 0
+        self.restored = 0
         self._sum_key = derive_key(log.key, "index-sum")
         self._check = log.redis.register_script(_CHECK_INDEXES)
         self.expected_sum = 0  # of every index entry the records walked call for
@@ -129,6 +132,8 @@ class _Walk:
         if rec.get("prev") != prev:
             return (f"record {seq} does not link to record {seq - 1}: inserted, deleted or "
                     "reordered")
+        if rec.get("type") == "restored" and not _carries_sealed(self.log.key, rec):
+            return f"record {seq} restores a record whose HMAC does not match"
         for anchor in self.anchors.get(seq, []):
             if anchor.record_hmac != rec["hmac"]:
                 return f"record {seq} is not the record {_written(anchor)} shows"
@@ -154,6 +159,7 @@ class _Walk:
         for key, seq, ts in expected:
             self.expected_sum = (self.expected_sum + self.entry_hash(key, seq, ts)) % 2**64
         self.checked += len(records)
+        self.restored += sum(1 for rec in records if rec.get("type") == "restored")
 
     async def extra_entries(self, first: int, hi: int) -> None:
         """Index entries that no record calls for (entries of records newer than hi are
@@ -248,6 +254,42 @@ class _Walk:
                                    "which does not belong to it")
 
 
+def _carries_sealed(key: bytes, rec: dict[str, Any]) -> bool:
+    """A `restored` record carries one record, sealed with the same key."""
+    inner = rec.get("restored")
+    return isinstance(inner, dict) and isinstance(inner.get("seq"), int) and sealed_ok(key, inner)
+
+
+async def _restored_copies(log: AuditLog, anchors: list[Anchor]) -> dict[Anchor, int]:
+    """The anchors whose record a `restored` record carries (it was lost from Redis and
+    appended again: audit_recovery.py), with the seq of that restored record."""
+    found: dict[Anchor, int] = {}
+    for start in range(0, len(anchors), FETCH):
+        chunk = anchors[start:start + FETCH]
+        async with log.redis.pipeline(transaction=False) as pipe:
+            for a in chunk:
+                pipe.zrange(restored_key(a.seq, a.record_hmac), 0, 0)
+            firsts = await pipe.execute()
+        for a, first in zip(chunk, firsts, strict=True):
+            if first and first[0].isdigit():
+                found[a] = int(first[0])
+    return found
+
+
+async def _check_restored(log: AuditLog, copies: dict[Anchor, int], head_seq: int) -> None:
+    """Each anchor satisfied by a restored copy: that copy is a sealed `restored` record of
+    the chain, carrying a record with the anchor's seq and HMAC whose own HMAC verifies."""
+    for anchor, seq in sorted(copies.items(), key=lambda item: item[0].seq):
+        rec = await log.get(seq)
+        inner = (rec or {}).get("restored")
+        if not (rec is not None and seq <= head_seq and rec.get("seq") == seq
+                and rec.get("type") == "restored" and sealed_ok(log.key, rec)
+                and _carries_sealed(log.key, rec) and isinstance(inner, dict)
+                and inner.get("seq") == anchor.seq and inner.get("hmac") == anchor.record_hmac):
+            raise Broken(anchor.seq, f"record {anchor.seq} is not the record {_written(anchor)} "
+                                     f"shows, and its restored copy (record {seq}) does not verify")
+
+
 def _written(anchor: Anchor) -> str:
     import datetime as dt
 
@@ -266,7 +308,12 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
     if local is not None:
         given.append(local)
     newest_anchor = max(given, key=lambda a: a.seq, default=None)
-    walk = _Walk(log, given)
+    # An anchor of a record that a failover lost, and that its writer restored inside a
+    # `restored` record, is checked against that copy instead of the chain's record there.
+    copies = await _restored_copies(log, given)
+    in_chain = [a for a in given if a not in copies]
+    walk = _Walk(log, in_chain)
+    newest_in_chain = max(in_chain, key=lambda a: a.seq, default=None)
     try:
         if problems:
             raise Broken(0, problems[0])
@@ -278,7 +325,7 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
         except AuditError as e:
             raise Broken(0, str(e)) from None
         first = cp.through + 1 if cp else 1
-        last = max(head.seq, newest_anchor.seq if newest_anchor else 0)
+        last = max(head.seq, newest_in_chain.seq if newest_in_chain else 0)
         full = since_ms == 0 and until_ms == 0
         lo, hi = first, last
         if not full:
@@ -292,7 +339,7 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
                                         f"beyond the chain head (record {now.seq})")
             lo, hi = max(first, min(seqs)), max(seqs) if until_ms else last
         prev = await _link_into(log, lo, first, cp.last_hmac if cp else "")
-        tail = await walk.records(lo, hi, prev, head.seq, newest_anchor)
+        tail = await walk.records(lo, hi, prev, head.seq, newest_in_chain)
         if hi == last:
             if head.seq != hi:
                 raise Broken(head.seq + 1, f"the chain head says record {head.seq} is the newest, "
@@ -306,9 +353,10 @@ async def verify(log: AuditLog, since_ms: int = 0, until_ms: int = 0,
                                            "or the head was rewound")
         if full:
             await walk.extra_entries(first, hi)
+        await _check_restored(log, copies, max(head.seq, hi))
     except Broken as b:
-        return Verdict(False, walk.checked, b.seq, b.reason, newest_anchor)
-    return Verdict(True, walk.checked, anchor=newest_anchor)
+        return Verdict(False, walk.checked, b.seq, b.reason, newest_anchor, walk.restored)
+    return Verdict(True, walk.checked, anchor=newest_anchor, restored=walk.restored)
 
 
 async def _link_into(log: AuditLog, lo: int, first: int, genesis: str) -> str:

@@ -43,6 +43,7 @@ from prometheus_client import Counter, Gauge
 from finsieve.policy.matcher import scan_text
 from finsieve.policy.pack import Pack
 from finsieve.v1 import chat_pb2, engine_pb2
+from finsieve.valkey import ERRORS, Client
 
 from .audit import AuditLog, derive_key, now_ms, sealed_ok
 
@@ -105,7 +106,7 @@ def not_stored(reason: str) -> None:
 
 
 class ResponseCache:
-    def __init__(self, client: redis.Redis, audit: AuditLog, ttl_s: int, max_bytes: int,
+    def __init__(self, client: Client, audit: AuditLog, ttl_s: int, max_bytes: int,
                  store_wait_s: float = 0.5) -> None:
         self.redis = client
         self.audit = audit
@@ -157,7 +158,7 @@ class ResponseCache:
         except redis.ResponseError:
             await self._reject(key, "corrupt")  # not a string at all
             return None
-        except (redis.RedisError, OSError) as e:
+        except ERRORS as e:
             LOOKUPS.labels("error").inc()
             log.warning("cache lookup failed; serving uncached", error=type(e).__name__)
             return None
@@ -175,7 +176,7 @@ class ResponseCache:
         except _Rejected as e:
             await self._reject(key, e.reason)
             return None
-        except (redis.RedisError, OSError) as e:
+        except ERRORS as e:
             LOOKUPS.labels("error").inc()
             log.warning("cache lookup failed; serving uncached", error=type(e).__name__)
             return None
@@ -215,7 +216,7 @@ class ResponseCache:
                     entry=key.removeprefix(PREFIX)[:16])
         try:
             await self.redis.delete(key)
-        except (redis.RedisError, OSError) as e:
+        except ERRORS as e:
             log.warning("cache entry not deleted", error=type(e).__name__)
 
     async def put(self, key: str, events: list[chat_pb2.ChatServerMessage], audit_seq: int) -> None:
@@ -233,7 +234,7 @@ class ResponseCache:
             return
         try:
             await self.redis.set(key, blob, ex=self.ttl_s)
-        except (redis.RedisError, OSError) as e:
+        except ERRORS as e:
             STORES.labels("error").inc()
             log.warning("cache store failed", error=type(e).__name__)
             return

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 # cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
 from typing import cast
 
-import redis.asyncio as redis
 import structlog
 from redis.typing import EncodableT
 
 from finsieve.auth import ROLES, CheckUnavailable, Principal, Unauthenticated
+from finsieve.valkey import ERRORS, Client
 
 log = structlog.get_logger(__name__)
 
@@ -104,7 +104,7 @@ def _parse(key_id: str, fields: dict[bytes, bytes]) -> tuple[KeyInfo, str] | Non
 
 
 class KeyStore:
-    def __init__(self, client: redis.Redis, hash_key: bytes, cache_s: float = 5.0,
+    def __init__(self, client: Client, hash_key: bytes, cache_s: float = 5.0,
                  cache_max: int = 10000) -> None:
         self.redis = client
         self._hash_key = hash_key
@@ -213,7 +213,7 @@ class KeyStore:
             return cached[0]
         try:
             parsed = _parse(key_id, cast("dict[bytes, bytes]", await self.redis.hgetall(record_key(key_id))))
-        except (redis.RedisError, OSError) as e:
+        except ERRORS as e:
             # Nothing can be revoked while Redis is down: a key verified a moment ago stays
             # good for a while (not refreshed); an unknown one cannot be checked.
             if cached is not None and now - cached[1] < STALE_IF_ERROR_S:

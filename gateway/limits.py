@@ -27,12 +27,12 @@ from pathlib import Path
 # cast: connect()'s clients return bytes (decode_responses off); redis-py types replies bytes | str.
 from typing import Any, cast
 
-import redis.asyncio as redis
 import structlog
 from prometheus_client import Counter
 
 from finsieve.config import Settings, load_yaml_file
 from finsieve.errors import ConfigError
+from finsieve.valkey import ERRORS, Client
 
 from .keys import TENANT_RE
 
@@ -145,7 +145,7 @@ def load_limits_file(path: Path, setting: str = "FINSIEVE_LIMITS_FILE") -> dict[
 
 
 class Limiter:
-    def __init__(self, client: redis.Redis, defaults: TenantLimits,
+    def __init__(self, client: Client, defaults: TenantLimits,
                  per_tenant: dict[str, dict[str, Any]], cache_s: float = 5.0,
                  cache_max: int = 10000) -> None:
         self.redis = client
@@ -182,7 +182,7 @@ class Limiter:
     async def _overrides(self, tenant: str) -> dict[str, float | int]:
         try:
             raw = cast("dict[bytes, bytes]", await self.redis.hgetall(_key(tenant, "set")))
-        except (redis.RedisError, OSError):
+        except ERRORS:
             return {}
         out: dict[str, float | int] = {}
         for k, v in raw.items():
@@ -236,7 +236,7 @@ class Limiter:
     async def close_stream(self, stream_id: str) -> None:
         tenant = self._streams.pop(stream_id, None)
         if tenant is not None:
-            with contextlib.suppress(redis.RedisError, OSError):  # else the lease runs out
+            with contextlib.suppress(*ERRORS):  # else the lease runs out
                 await self.redis.zrem(_key(tenant, "streams"), stream_id)
 
     async def renew_leases(self) -> None:
@@ -251,13 +251,13 @@ class Limiter:
         try:
             return int(await script(keys=keys, args=[repr(a) if isinstance(a, float) else a
                                                      for a in args]))
-        except (redis.RedisError, OSError) as e:
+        except ERRORS as e:
             LIMIT_ERRORS.inc()
             log.warning("tenant limit not checked: redis failed", error=type(e).__name__)
             return ok
 
 
-def tenant_limiter(settings: Settings, client: redis.Redis) -> Limiter:
+def tenant_limiter(settings: Settings, client: Client) -> Limiter:
     """The limiter the settings describe (defaults, then the limits file's tenants)."""
     return Limiter(client, TenantLimits(settings.tenant_requests_per_s,
                                         settings.tenant_tokens_per_min,

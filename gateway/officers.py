@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis.asyncio as redis
 import structlog
 
 from finsieve import logs, supervise, tls
@@ -32,12 +31,13 @@ from finsieve.auth import AuthInterceptor, roles_for
 from finsieve.config import Settings
 from finsieve.grpc_server import Service, server_options, start_server
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc
-from finsieve.valkey import connect, die_with_parent
+from finsieve.valkey import ERRORS, connect, die_with_parent
 
 from .access import AdminTrail
 from .admin_service import AdminService
 from .anchors import Anchoring, AnchorWriter
 from .audit import AuditError, AuditLog
+from .audit_recovery import Checking, audit_log
 from .audit_service import AuditService
 from .identity import ClientAuthenticator
 from .keys import KeyStore
@@ -127,8 +127,9 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
                      daemon=True).start()
     client = await connect(secrets.redis_url, password=secrets.redis_password)
     key = secrets.audit_key
-    audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
-                     wait_timeout_ms=settings.audit_wait_timeout_ms)
+    audit = audit_log(settings, client, key, "officers")
+    checking = Checking(audit, settings.audit_check_interval_s)
+    checking.start()
     anchoring = Anchoring(audit, AnchorWriter(anchor_dir(settings), "officers", key),
                           settings.audit_anchor_interval_s)
     anchoring.start()
@@ -164,6 +165,8 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
     await trail.close()
     await running.server.stop(1)
     await anchoring.stop()
+    await checking.stop()
+    await audit.aclose()
     await client.aclose()
 
 
@@ -182,8 +185,11 @@ async def _retain(audit: AuditLog, trail: AdminTrail, days: float) -> None:
     while days > 0:
         try:
             trimmed = await audit.trim(int((time.time() - days * 86400) * 1000))
-        except (AuditError, redis.RedisError) as e:
+        except AuditError as e:
             log.error("audit trim failed", error=str(e))
+            trimmed = 0
+        except ERRORS as e:
+            log.error("audit trim failed", error=f"{type(e).__name__}: {e}")
             trimmed = 0
         if trimmed:
             log.info("audit trail trimmed", records=trimmed)

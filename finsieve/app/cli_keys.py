@@ -116,12 +116,18 @@ async def _create_direct(args: argparse.Namespace) -> int:
         by = f"cli --direct ({getpass.getuser()})"
         key, info = await keys.create(args.tenant, args.role, args.name, expires_ms,
                                       args.all_tenants, created_by=by)
+        # Acknowledged as a gateway's are (WAIT or WAITAOF); no spool: nothing runs later to
+        # restore from it, and a refused record revokes the key.
+        audit = AuditLog(client, audit_key, wait_replicas=settings.audit_wait_replicas,
+                         waitaof_local=settings.audit_waitaof_local,
+                         wait_timeout_ms=settings.audit_wait_timeout_ms)
         try:
-            await AuditLog(client, audit_key).append("admin", {**key_event("key_created", info),
-                                                              "by": by})
+            await audit.append("admin", {**key_event("key_created", info), "by": by})
         except BaseException:
             await keys.revoke(info.key_id)  # no usable key without its record
             raise
+        finally:
+            await audit.aclose()
     finally:
         await client.aclose()
     return _created(key, admin_pb2.KeyInfo(**info.__dict__))

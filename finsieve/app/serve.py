@@ -14,7 +14,6 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import prometheus_client
-import redis.asyncio as redis
 import structlog
 
 from finsieve import secretfiles, supervise, tls
@@ -33,13 +32,14 @@ from finsieve.policy.masks import TokenTable
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
 from finsieve.policy.sources import PackLimits
 from finsieve.v1 import chat_pb2, engine_pb2
-from finsieve.valkey import EmbeddedValkey, connect, redact
+from finsieve.valkey import Client, EmbeddedValkey, connect, redact
 from finsieve.wire import ENGINE_MESSAGE_BYTES
 from gateway import officers
 from gateway.access import FLUSH_AT_SHUTDOWN_S, AdminTrail
 from gateway.admin_service import key_event
 from gateway.anchors import Anchoring, AnchorWriter
 from gateway.audit import AuditLog
+from gateway.audit_recovery import Checking, audit_log
 from gateway.cache import ResponseCache
 from gateway.engines import EngineCredentials, EnginePool
 from gateway.frames import add_gateway_to_server
@@ -101,8 +101,10 @@ async def serve(settings: Settings) -> None:
             address = await _start_engine(settings, engine_secret, stack, servers, failed)
             engine_addresses = [address] if settings.role == "all" else engine_addresses
         if client is not None:
-            audit = AuditLog(client, key, wait_replicas=settings.audit_wait_replicas,
-                             wait_timeout_ms=settings.audit_wait_timeout_ms)
+            audit = audit_log(settings, client, key, "gateway")
+            stack.push_async_callback(audit.aclose)
+            checking = Checking(audit, settings.audit_check_interval_s)
+            checking.start()  # first: what a failover lost while this gateway was down
             anchoring = Anchoring(audit, AnchorWriter(officers.anchor_dir(settings), "gateway", key),
                                   settings.audit_anchor_interval_s)
             anchoring.start()
@@ -140,6 +142,7 @@ async def serve(settings: Settings) -> None:
                           action="server_stop")
             await trail.close()
             await anchoring.stop()
+            await checking.stop()
         else:
             await _until(stop, failed)
             for s in servers:
@@ -286,7 +289,7 @@ def _gateway_rules(settings: Settings, key: bytes,
 
 
 async def _start_redis(settings: Settings,
-                       stack: AsyncExitStack) -> tuple[redis.Redis, str, str | None]:
+                       stack: AsyncExitStack) -> tuple[Client, str, str | None]:
     """A client of the configured Redis, or of an embedded Valkey; its URL and the embedded
     Valkey's password (never part of the URL, so it is never logged with it)."""
     url, password = settings.redis_url, None
@@ -325,7 +328,7 @@ async def _development_keys(settings: Settings, keys: KeyStore, trail: AdminTrai
 
 async def _start_gateway(
     settings: Settings, engines: list[str], engine_credentials: EngineCredentials,
-    audit: AuditLog, keys: KeyStore, client: redis.Redis,
+    audit: AuditLog, keys: KeyStore, client: Client,
     rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
     auth = ClientAuthenticator.from_settings(settings, keys)

@@ -240,6 +240,14 @@ def test_an_append_waits_for_replicas_when_asked(valkey, tmp_path):
         await replicas(client, 0)
         with pytest.raises(AuditError, match="reached 0 of 1 replicas within 200 ms"):
             await log.append("request", {"request_id": "alone"})
+        # WAITAOF: the primary's own fsync is enough when no replica is asked for ...
+        fsynced = AuditLog(client, KEY, waitaof_local=True, wait_timeout_ms=200)
+        assert await fsynced.append("request", {"request_id": "fsynced"}) == 3
+        # ... and an append that no replica fsynced in time is refused, as with WAIT.
+        with pytest.raises(AuditError, match="not fsynced within 200 ms: the primary did, 0 of 1 "
+                                             "replicas did"):
+            await AuditLog(client, KEY, waitaof_local=True, wait_replicas=1,
+                           wait_timeout_ms=200).append("request", {"request_id": "alone"})
         return seq
 
     try:

@@ -32,7 +32,12 @@ def test_settings_from_environment_and_flags():
      ({"FINSIEVE_MIXED_TOKENS": "8"}, "FINSIEVE_MIXED_TOKENS: 0 .off., or from 16 to 2048"),
      ({"FINSIEVE_MIXED_TOKENS": "4096", "FINSIEVE_PREFILL_CHUNK": "8192"}, "from 16 to 2048"),
      ({"FINSIEVE_MIXED_TOKENS": "512", "FINSIEVE_PREFILL_CHUNK": "256"},
-      "at most FINSIEVE_PREFILL_CHUNK")],
+      "at most FINSIEVE_PREFILL_CHUNK"),
+     ({"FINSIEVE_AUDIT_SPOOL_MAX_RECORDS": "-1"}, "FINSIEVE_AUDIT_SPOOL_MAX_RECORDS: must not be negative"),
+     ({"FINSIEVE_AUDIT_SPOOL_MAX_BYTES": "4096"}, "FINSIEVE_AUDIT_SPOOL_MAX_BYTES: at least 1048576"),
+     ({"FINSIEVE_AUDIT_SPOOL_KEEP_S": "0"}, "FINSIEVE_AUDIT_SPOOL_KEEP_S: must be positive"),
+     ({"FINSIEVE_AUDIT_WAITAOF_LOCAL": "maybe"},
+      "FINSIEVE_AUDIT_WAITAOF_LOCAL: 'maybe': expected true or false")],
 )
 def test_bad_settings_name_the_setting(env, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
