@@ -26,9 +26,7 @@ nothing for `--idle-window` seconds; the RSS again (memory per stream = the grow
 then every stream asks again and must be answered: none was cut while idle.
 
 The settings the defaults would refuse this load with are set, and named in the output's
-conditions: tenants' request rate and concurrent streams, and the servers' Redis connection
-pool (`--redis-max-connections`; redis-py's default of 100 fails the commands beyond it at
-once, and 1,000 streams asking together then lose requests). Bounded: every wait has a deadline,
+conditions: tenants' request rate and concurrent streams. Bounded: every wait has a deadline,
 and every process the bench starts is stopped when it ends (also on Ctrl-C, SIGTERM or an
 error). Prints a table and writes bench/results/load.json (`--out`).
 """
@@ -79,7 +77,6 @@ IDLE_QUESTION = "In one sentence, what is a savings account?"
 START_S = 300  # an engine's start-up on two busy cores (model, rule tables) is well under this
 STOP_S = 30  # a server's drain on SIGTERM before it is killed
 QUEUE_EVERY_S = 2.0
-REDIS_PY_POOL = 100  # redis-py's default max_connections
 QUICK = {"levels": [1, 20], "window": 3.0, "drain": 60.0, "max_tokens": 8, "idle_streams": 40,
          "idle_window": 2.0}
 
@@ -104,7 +101,6 @@ class Deployment:
 
     work: Path
     env: dict[str, str]
-    redis_max_connections: int  # of each server's Redis client (0: redis-py's default, 100)
     valkey: Any = None
     engines: list[Server] = field(default_factory=list)
     gateways: list[Server] = field(default_factory=list)
@@ -117,9 +113,8 @@ class Deployment:
         for name in ("audit.key", "keys.secret", "engine.secret"):
             write_private(self.work / name, secrets.token_hex(32) + "\n")
         # The password reaches the servers in a 0600 file, never in their environment.
-        pool = f"?max_connections={self.redis_max_connections}" if self.redis_max_connections else ""
         write_private(self.work / "redis.url",
-                      f"redis://:{self.valkey.password}@127.0.0.1:{self.valkey.port}/0{pool}\n")
+                      f"redis://:{self.valkey.password}@127.0.0.1:{self.valkey.port}/0\n")
         self.env.update({"FINSIEVE_REDIS_URL_FILE": str(self.work / "redis.url"),
                          "FINSIEVE_AUDIT_KEY_FILE": str(self.work / "audit.key"),
                          "FINSIEVE_KEYS_SECRET_FILE": str(self.work / "keys.secret"),
@@ -567,14 +562,6 @@ def server_env(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]
     # the other engine and the gateways (tests/conftest.py).
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     shown = {**needed, "OMP_WAIT_POLICY": env["OMP_WAIT_POLICY"]}
-    if args.redis_max_connections < 0:
-        # redis-py's pool holds 100 connections and fails a command beyond them at once
-        # (MaxConnectionsError) instead of waiting: a gateway whose requests run more Redis
-        # commands at once than that refuses some (their audit records cannot be written).
-        # Each request holds one connection at a time, its completion's record another.
-        args.redis_max_connections = 2 * most if 2 * most > REDIS_PY_POOL else 0
-    if args.redis_max_connections:
-        shown["FINSIEVE_REDIS_URL_FILE"] = f"its URL with ?max_connections={args.redis_max_connections}"
     return env, shown
 
 
@@ -613,7 +600,7 @@ def run(args: argparse.Namespace) -> dict:
         result["idle"] = run_idle(args.target, key, args.gateway_pid, args)
     else:
         work = Path(tempfile.mkdtemp(prefix="bench_load-"))
-        d = Deployment(work, env, args.redis_max_connections)
+        d = Deployment(work, env)
         try:
             d.start(args.engines, args.gateways)
             result["deployment"] = (f"{args.engines} engines (--role engine, {MODEL.name}, rules/), "
@@ -718,9 +705,6 @@ def main() -> None:
     ap.add_argument("--gateway-pid", type=int, default=0,
                     help="with --target: the gateway's pid, for its CPU and memory (role all: "
                     "the engine's CPU is in it)")
-    ap.add_argument("--redis-max-connections", type=int, default=-1,
-                    help="the servers' Redis connection pool (their URL's max_connections; default: "
-                    "twice the most streams, if more than redis-py's default, 100; 0: that default)")
     ap.add_argument("--keep", action="store_true", help="keep the servers' logs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "load.json")
     args = ap.parse_args()

@@ -49,6 +49,9 @@ class Settings:
         "<state dir>/audit.key, made on first start")
     audit_fail_open: bool = _setting(
         False, "serve a request even if its audit record cannot be written (default: refuse)")
+    redis_max_connections: int = _setting(
+        512, "connections a process keeps to Redis (to each node of a Cluster); a command that "
+        "finds them all busy waits for one, up to the socket timeout, instead of failing")
     appendfsync: Literal["always", "everysec", "no"] = _setting(
         "everysec", "embedded Valkey's AOF fsync policy (docs/operations.md: what each can lose)")
     cache_ttl_s: int = _setting(3600, "response cache entry lifetime; 0 = no cache")
@@ -229,7 +232,7 @@ class Settings:
                     "slow_reader_grace_s", "keepalive_time_s", "keepalive_timeout_s",
                     "min_ping_interval_s", "engine_connect_timeout_s", "rules_max_bytes",
                     "regex_timeout_ms", "rules_debounce_ms", "audit_max_calls",
-                    "admin_backlog_max", "handshake_timeout_s")
+                    "admin_backlog_max", "handshake_timeout_s", "redis_max_connections")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")

@@ -23,7 +23,7 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, SlotNotCoveredError
 
@@ -241,32 +241,44 @@ def parse_topology(url: str) -> Topology:
     return Topology(kind, seeds, "", options, {})
 
 
-def _client(url: str, timeout: float, password: str | None) -> Client:
+class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """The master's connections as a blocking pool: redis-py's Sentinel pool raises
+    MaxConnectionsError once all are in use, which would fail an audit append in a burst."""
+
+
+def _client(url: str, timeout: float, password: str | None, max_connections: int) -> Client:
+    """A command that finds every connection busy waits for one (a blocking pool) rather than
+    failing: under a burst of requests redis-py's default pool would refuse audit appends
+    (the request refused), limit checks (failing open) and cache lookups. A Cluster's node
+    pools cannot block; they hold max_connections each."""
     timeouts: dict[str, Any] = {"socket_connect_timeout": timeout, "socket_timeout": timeout}
+    pool: dict[str, Any] = {"max_connections": max_connections, "timeout": timeout}
     scheme = url.partition("://")[0].lower()
     if scheme in SENTINEL_SCHEMES:
         t = parse_topology(url)
         tls = {k: v for k, v in t.options.items() if k.startswith("ssl")}
         sentinel = Sentinel(list(t.hosts), sentinel_kwargs={**timeouts, **tls, **t.sentinel_auth},
                             **timeouts, **t.options)
-        client = sentinel.master_for(t.master, redis_class=_SentinelMaster)
+        client = sentinel.master_for(t.master, redis_class=_SentinelMaster,
+                                     connection_pool_class=_BlockingSentinelPool, **pool)
         client.sentinels = sentinel
         return client
     if scheme in CLUSTER_SCHEMES:
         t = parse_topology(url)
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.hosts], **timeouts,
-                            **t.options)
+                            max_connections=max_connections, **t.options)
     if scheme not in SERVER_SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r} (forms: {FORMS})")
     extra: dict[str, Any] = {"password": password} if password else {}
-    return redis.Redis.from_url(url, **timeouts, **extra)
+    return redis.Redis.from_pool(redis.BlockingConnectionPool.from_url(url, **timeouts, **pool, **extra))
 
 
-async def connect(url: str, timeout: float = 3.0, password: str | None = None) -> Client:
+async def connect(url: str, timeout: float = 3.0, password: str | None = None,
+                  max_connections: int = 512) -> Client:
     """A client of the URL's Redis (a server, a Sentinel-managed master, or a Cluster) that
     answers; RedisUnavailable naming FINSIEVE_REDIS_URL, never a password, otherwise."""
     try:
-        client = _client(url, timeout, password)
+        client = _client(url, timeout, password, max_connections)
     except (ValueError, TypeError) as e:  # redis-py's message may quote the URL, password included
         raise RedisUnavailable(f"FINSIEVE_REDIS_URL {redact(url)}: {redact(str(e))}") from None
     try:

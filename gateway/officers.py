@@ -125,7 +125,8 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
         loop.add_signal_handler(sig, stop.set)
     threading.Thread(target=_until_parent_gone, args=(loop, stop), name="parent-watch",
                      daemon=True).start()
-    client = await connect(secrets.redis_url, password=secrets.redis_password)
+    client = await connect(secrets.redis_url, password=secrets.redis_password,
+                           max_connections=settings.redis_max_connections)
     key = secrets.audit_key
     audit = audit_log(settings, client, key, "officers")
     checking = Checking(audit, settings.audit_check_interval_s)

@@ -301,7 +301,7 @@ async def _start_redis(settings: Settings,
         assert valkey.process is not None  # start() returned: it runs
         log.info("embedded valkey started", pid=valkey.process.pid, port=valkey.port,
                  appendfsync=settings.appendfsync)
-    client = await connect(url, password=password)
+    client = await connect(url, password=password, max_connections=settings.redis_max_connections)
     stack.push_async_callback(client.aclose)
     log.info("redis connected", url=redact(url))
     return client, url, password
