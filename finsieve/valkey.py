@@ -342,7 +342,6 @@ def _quoted(path: Path) -> str:
 # `token`, ...), so a list of the names it knows today would miss tomorrow's.
 _SECRET_NAME_PARTS = ("pass", "pwd", "secret", "token", "auth", "credential", "apikey",
                       "api_key", "private_key")
-_QUERY_SEPARATORS = re.compile(r"([&;])")
 
 
 def _secret_name(name: str) -> bool:
@@ -353,14 +352,19 @@ def _secret_name(name: str) -> bool:
 
 def _redact_query(query: str) -> str:
     """Every secret-bearing parameter's value as ***; the others as written. Split on '&'
-    and ';' only, never on '#': a value may hold '#', which urlsplit would take for the
-    start of a fragment and so show the rest of the secret."""
-    parts = _QUERY_SEPARATORS.split(query)
-    for i in range(0, len(parts), 2):  # odd items are the separators themselves
-        name, eq, _ = parts[i].partition("=")
-        if eq and _secret_name(name):
-            parts[i] = f"{name}=***"
-    return "".join(parts)
+    only, as parse_qsl (and so redis-py) splits, never on '#': a value may hold '#', which
+    urlsplit would take for the start of a fragment and so show the rest of the secret."""
+    return "&".join(_masked(*piece.partition("=")) for piece in query.split("&"))
+
+
+def _masked(name: str, eq: str, value: str) -> str:
+    """One `name=value`, its value masked if the name, or a `;name=` inside the value (which
+    older parsers split on), holds a secret's name."""
+    names = [name, *(part.partition("=")[0] for part in value.split(";")[1:])]
+    return f"{name}=***" if eq and any(_secret_name(n) for n in names) else name + eq + value
+
+
+_PARAMETER = re.compile(r"([?&])([^?&=]*)(=)([^&]*)")
 
 
 def _redact_userinfo(userinfo: str) -> str:
@@ -381,6 +385,9 @@ def redact(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep:  # not a URL (an error message): mask any secret-looking `name=value`
         return _redact_query(url)
+    # Secret parameters first, wherever they are: a value holding '@' would otherwise be
+    # taken for the end of the user information, and its tail shown as the host.
+    rest = _PARAMETER.sub(lambda m: m[1] + _masked(m[2], m[3], m[4]), rest)
     userinfo, at, hostpart = rest.rpartition("@")
     cut = min((i for i in (hostpart.find("?"), hostpart.find("#")) if i >= 0), default=-1)
     if cut >= 0:
