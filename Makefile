@@ -11,7 +11,7 @@ PORT ?= 50051
 QUESTION ?= In two sentences: what is diversification, and why does it reduce risk?
 MAX_TOKENS ?= 200
 
-.PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean
+.PHONY: setup run test test-unit test-integration test-slow test-chaos test-gpu bench plots lint docs proto clean
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
@@ -49,6 +49,10 @@ test-integration: setup
 
 test-slow: setup
 	$(BIN)/pytest -q -m slow
+
+# Engines and gateways killed, stopped and replaced while clients stream (tests/integration/test_chaos.py).
+test-chaos: setup
+	$(BIN)/pytest -q -m chaos
 
 test-gpu: setup
 	$(BIN)/pytest -q -m gpu

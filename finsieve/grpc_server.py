@@ -75,6 +75,12 @@ def engine_channel_options(settings: Settings) -> list[tuple[str, int | str]]:
         ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", _ms(settings.engine_keepalive_time_s)),
         ("grpc.keepalive_timeout_ms", _ms(settings.engine_keepalive_timeout_s)),
+        # Any ping unanswered this long closes the connection. gRPC allows one ping in flight:
+        # while its flow-control probe (BDP) waits for an answer from a stopped engine, no
+        # keepalive ping goes out, and only this timeout (1 min by default; gRPC core's
+        # internal GRPC_ARG_PING_TIMEOUT_MS) ends the wait: a SIGSTOPped engine was found
+        # after 61 s with keepalive at 1 s, and after 2-3 s with this set.
+        ("grpc.http2.ping_timeout_ms", _ms(settings.engine_keepalive_timeout_s)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Come back quickly after an engine restarts instead of gRPC's default backoff (minutes).

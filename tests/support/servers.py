@@ -54,6 +54,7 @@ class Server:
     audit_target: str
     log_path: Path
     state: Path
+    metrics: str = ""  # its Prometheus endpoint, where the test asked for one
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
