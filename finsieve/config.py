@@ -175,9 +175,10 @@ class Settings:
     engine_connect_timeout_s: float = _setting(
         3.0, "an engine not connected within this long is marked down (probed in the background)")
     engine_keepalive_time_s: float = _setting(
-        5.0, "a gateway pings each engine this often, so that one that hangs (stopped, or its "
-        "link dead) is marked down within this plus FINSIEVE_ENGINE_KEEPALIVE_TIMEOUT_S; an "
-        "engine accepts pings twice as often (set the same value on gateways and engines)")
+        5.0, "a gateway pings each engine this often (at least 1: gRPC pings a server at most "
+        "once a second), so that one that hangs (stopped, or its link dead) is marked down "
+        "within this plus FINSIEVE_ENGINE_KEEPALIVE_TIMEOUT_S; an engine accepts pings twice "
+        "as often (set the same value on gateways and engines)")
     engine_keepalive_timeout_s: float = _setting(
         5.0, "an engine that does not answer a ping within this long is marked down, and its "
         "requests are moved or fail UNAVAILABLE")
@@ -270,6 +271,9 @@ class Settings:
         for name in ("max_connection_idle_s", "max_connection_age_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative (0 = never)")
+        if self.engine_keepalive_time_s < 1:
+            raise ConfigError("FINSIEVE_ENGINE_KEEPALIVE_TIME_S: at least 1 (gRPC pings a server "
+                              "at most once a second)")
         if self.min_ping_interval_s > self.keepalive_time_s:
             raise ConfigError("FINSIEVE_MIN_PING_INTERVAL_S: must not exceed FINSIEVE_KEEPALIVE_TIME_S "
                               "(gateways ping engines that often)")

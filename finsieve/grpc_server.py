@@ -50,9 +50,11 @@ def server_options(settings: Settings, receive_bytes: int,
         ("grpc.keepalive_time_ms", _ms(settings.keepalive_time_s)),
         ("grpc.keepalive_timeout_ms", _ms(settings.keepalive_timeout_s)),
         # Peers may ping (also with no call open), at most every min_ping_interval_s: more
-        # often twice and the connection is closed (GOAWAY "too_many_pings").
+        # often twice and the connection is closed (GOAWAY "too_many_pings"). The key is
+        # gRPC's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: an unknown key (the
+        # macro's name spelled as a key) is ignored, and the default, 5 minutes, applies.
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(
             settings.min_ping_interval_s if clients
             else min(settings.min_ping_interval_s, settings.engine_keepalive_time_s / 2))),
         ("grpc.http2.max_ping_strikes", 2),
