@@ -5,6 +5,7 @@ used within 10 s with no restart; an engine's listener takes its gateways' keepa
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import grpc
@@ -12,10 +13,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from finsieve import grpc_server
 from finsieve.config import Settings
+from gateway.engines import EngineCredentials, EnginePool
 
-from support.chaos import ask, check_outcome, check_trail, log_lines
+from support.chaos import ask, check_outcome, check_trail, log_lines, request
 from support.processes import wait_for
 from support.servers import free_port, start_server
+from support.streams import ChatStream
 
 
 def test_an_engine_written_to_the_watched_file_is_used_within_10_s(tight_server, tmp_path):
@@ -52,11 +55,24 @@ def test_an_engine_written_to_the_watched_file_is_used_within_10_s(tight_server,
         outcomes["file-bad"] = events = ask(gateway.target, "file-bad")
         assert check_outcome(events) == "finished"
 
-        # Replaced: the engine is drained and closed; requests go to the one listed now.
+        # Replaced while a request runs on it: the engine is drained (the request finishes),
+        # then closed; requests go to the one listed now.
         dead = f"127.0.0.1:{free_port()}"
-        listed.write_text(f"{dead}\n")
-        assert wait_for(lambda: any(line["engine"] == tight_server.engine_target
-                                    for line in log_lines(gateway, "engine closed")))
+
+        async def replaced_mid_answer() -> list:
+            async with ChatStream(gateway.target) as s:
+                s.send(request("file-drained", 24))
+                while (await s.next()).WhichOneof("event") != "delta":
+                    pass
+                listed.write_text(f"{dead}\n")
+                return (await s.until_done("file-drained"))["file-drained"]
+
+        outcomes["file-drained"] = events = asyncio.run(replaced_mid_answer())
+        assert check_outcome(events) == "finished" and events[-1].finished.usage.completion_tokens == 24
+        (removed,) = log_lines(gateway, "engine removed; draining it")
+        assert (removed["engine"], removed["in_flight"]) == (tight_server.engine_target, 1)
+        assert wait_for(lambda: [(line["engine"], line["unfinished"]) for line in log_lines(
+            gateway, "engine closed")] == [(tight_server.engine_target, 0)])
         outcomes["file-dead"] = events = ask(gateway.target, "file-dead")
         assert check_outcome(events) == "unavailable" and dead in events[-1].error.message
         check_trail(gateway, outcomes)
@@ -105,3 +121,41 @@ def test_an_engines_listener_takes_its_gateways_keepalive_pings():
     ended = watch_for(clients, settings, 5)
     assert ended is not None and ended.code() == grpc.StatusCode.UNAVAILABLE
     assert ended.details() == "Too many pings", ended  # gRPC's words for GOAWAY too_many_pings
+
+
+def test_an_engine_found_by_dns_name_is_checked_against_that_name(certs, tmp_path):
+    """Over TLS, the engines a DNS name gives are connected by address and their certificate
+    checked against the name: here a certificate for engine.test alone, served on 127.0.0.1."""
+    subprocess.run(["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                    "-nodes", "-keyout", "engine.key", "-out", "engine.csr", "-subj", "/CN=engine.test"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "engine.ext").write_text("subjectAltName=DNS:engine.test\n")
+    subprocess.run(["openssl", "x509", "-req", "-in", "engine.csr", "-CA", str(certs / "ca.pem"),
+                    "-CAkey", str(certs / "ca.key"), "-CAcreateserial", "-out", "engine.pem",
+                    "-days", "1", "-extfile", "engine.ext"], cwd=tmp_path, check=True,
+                   capture_output=True)
+    credentials = EngineCredentials(tls=grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))
+
+    async def run() -> dict[str, bool]:
+        served = grpc.ssl_server_credentials([((tmp_path / "engine.key").read_bytes(),
+                                               (tmp_path / "engine.pem").read_bytes())])
+        running = await grpc_server.start_server("127.0.0.1:0", [], credentials=served)
+        address = f"127.0.0.1:{running.port}"
+        reached = {}
+        try:
+            for name in ("engine.test", ""):  # "": checked against the address
+                pool = EnginePool([], 2, credentials=credentials)
+                pool.update({address: name})
+                (client,) = pool.clients
+                try:
+                    await health_pb2_grpc.HealthStub(client._channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=5)
+                    reached[name] = True
+                except grpc.aio.AioRpcError:
+                    reached[name] = False
+                await pool.close()
+        finally:
+            await running.server.stop(0)
+        return reached
+
+    assert asyncio.run(run()) == {"engine.test": True, "": False}

@@ -120,9 +120,10 @@ def log_lines(server: Server, event: str) -> list[dict]:
 
 
 def request(request_id: str, max_tokens: int) -> chat_pb2.ChatRequest:
+    """A request whose answer goes on past max_tokens (the default model's, greedy)."""
     from finsieve.app.client import chat_request
 
-    return chat_request(request_id, "Count from one to one hundred, in words.", max_tokens=max_tokens)
+    return chat_request(request_id, "Describe the bond market in detail.", max_tokens=max_tokens)
 
 
 def terminal(events: list) -> chat_pb2.ChatServerMessage:
