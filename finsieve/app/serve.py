@@ -83,8 +83,8 @@ async def serve(settings: Settings) -> None:
     engine_secret = (secrets.token_hex(32).encode()
                      if settings.role == "all" and not settings.engine_secret_file
                      else secretfiles.engine_secret(settings.engine_secret_file, state))
-    discovery = Discovery(Sources.of(settings))
-    if settings.role == "gateway":
+    discovery = Discovery(Sources.of(settings)) if settings.role == "gateway" else None
+    if discovery is not None:
         discovery.load()  # a bad engines file stops start-up here
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -126,6 +126,7 @@ async def serve(settings: Settings) -> None:
             rules = _gateway_rules(settings, key, stack)
             engine_tls = tls.engine_channel_credentials(settings) if settings.role == "gateway" else None
             settle_heap()  # before the port opens: a first request must not wait for it
+            assert discovery is not None  # role gateway, or all (its own engine)
             gateway, running = await _start_gateway(
                 settings, discovery, EngineCredentials(engine_secret, engine_tls), audit,
                 keys, client, rules, stack)
