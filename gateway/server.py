@@ -420,8 +420,8 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             assert flight.engine is not None
             new = flight.engine.address
             MOVES.inc()
-            log.warning("request moved to another engine", from_engine=old.address, to_engine=new,
-                        moves=len(flight.tried) - 1)
+            log.info("request moved to another engine", from_engine=old.address, to_engine=new,
+                     moves=len(flight.tried) - 1)
             trace.moved_from.append(old.address)
             await self._audit("request_moved", lambda: {
                 "tenant": trace.caller.tenant, "key_id": trace.caller.key_id,
