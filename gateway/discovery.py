@@ -99,9 +99,9 @@ class Discovery:
         if path is None:
             return
         found = dict.fromkeys(read_engines_file(path, self.sources.plaintext_ok), "")
-        if len(self.engines() | found) > self.sources.max_engines:
-            raise ConfigError(f"{path}: {len(self.engines() | found)} engines with --engine, "
-                              f"more than FINSIEVE_MAX_ENGINES ({self.sources.max_engines})")
+        if (count := len(self.engines() | found)) > self.sources.max_engines:
+            raise ConfigError(f"{path}: {count} engines (with --engine), more than "
+                              f"FINSIEVE_MAX_ENGINES ({self.sources.max_engines})")
         self._sets[FILE] = found
 
     async def start(self, pool: EnginePool) -> None:
@@ -130,7 +130,7 @@ class Discovery:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._resolver.shutdown(wait=False, cancel_futures=True)
 
-    def _apply(self, source: str, found: Engines) -> bool:
+    def _apply(self, source: str, found: Engines) -> None:
         """Make `found` the source's set and the pool serve the union; refused (logged, the
         previous set stays) if the union would pass the bound."""
         previous = self._sets.get(source)
@@ -140,10 +140,9 @@ class Discovery:
             self._sets[source] = previous if previous is not None else {}
             log.error("engines not updated: more than FINSIEVE_MAX_ENGINES; the previous engines "
                       "stay", source=source, engines=len(merged), max_engines=self.sources.max_engines)
-            return False
-        if self.pool is not None:
-            self.pool.update(merged)
-        return True
+            return
+        assert self.pool is not None  # sources change only once started
+        self.pool.update(merged)
 
     # -- the file -------------------------------------------------------------------------
 

@@ -57,7 +57,8 @@ def test_the_settings_take_engines_from_a_file_or_a_dns_name_and_name_a_bad_one(
 def test_a_file_that_would_pass_the_bound_stops_start_up(tmp_path):
     listed = tmp_path / "engines"
     listed.write_text("127.0.0.1:1\n127.0.0.1:2\n")
-    with pytest.raises(ConfigError, match=f"^{listed}: 3 engines .*FINSIEVE_MAX_ENGINES \\(2\\)"):
+    bound = rf"^{listed}: 3 engines \(with --engine\), more than FINSIEVE_MAX_ENGINES \(2\)$"
+    with pytest.raises(ConfigError, match=bound):
         Discovery(Sources(static=("127.0.0.1:3",), file=listed, max_engines=2)).load()
 
 
