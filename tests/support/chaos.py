@@ -150,7 +150,8 @@ async def streaming(stream: ChatStream, count: int) -> set[str]:
     seen: set[str] = set()
     while len(seen) < count:
         e = await stream.next(180)
-        assert e.WhichOneof("event") not in ("finished", "error"), e
+        assert e.WhichOneof("event") not in ("finished", "error"), \
+            f"a request ended before {count} were streaming: {e}"
         if e.WhichOneof("event") == "delta":
             seen.add(e.request_id)
     return seen
