@@ -13,7 +13,7 @@ MAX_TOKENS ?= 200
 TOOLS := .tools
 KUBECTL := $(TOOLS)/bin/kubectl
 
-.PHONY: setup run test test-unit test-integration test-slow test-gpu bench plots lint docs proto clean deploy-check deploy-constraints compose-env
+.PHONY: setup run test test-unit test-integration test-slow test-chaos test-gpu bench plots lint docs proto clean deploy-check deploy-constraints compose-env
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
@@ -64,11 +64,12 @@ test-integration: setup $(KUBECTL)
 test-slow: setup
 	$(BIN)/pytest -q -m slow
 
-test-gpu: setup
-	$(BIN)/pytest -q -m gpu
-
+# Engines and gateways killed, stopped and replaced while clients stream (tests/integration/test_chaos.py).
 test-chaos: setup
 	$(BIN)/pytest -q -m chaos
+
+test-gpu: setup
+	$(BIN)/pytest -q -m gpu
 
 bench: setup
 	$(BIN)/python bench/bench_foundation.py

@@ -156,6 +156,10 @@ class LLMEngine:
         self._inbox.put(_Cancel(sink, request_id))
         self._wake.set()
 
+    def handed_over(self) -> int:
+        """Requests and cancels submitted that the engine thread has not taken yet."""
+        return self._inbox.qsize()
+
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()

@@ -4,6 +4,11 @@ A gateway's stream carries every request of that gateway, so nothing one request
 end it: a frame that does not parse is refused for the request it names (the stream's
 frames arrive as bytes and are parsed here, not by gRPC, which would end the call), and an
 exception while preparing a request fails that request alone.
+
+Each stream tells its gateway the engine's load (EngineLoad) whenever it changed, so that
+gateways send each request to the least loaded engine. On shutdown the engine drains: its
+load says so (gateways stop sending), a request that still arrives is refused UNAVAILABLE
+(its gateway runs it elsewhere), and those in flight finish before the streams close.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from .sequence import Finish
 
 log = structlog.get_logger(__name__)
 
-# How soon an idle stream tells its gateway that the rules were reloaded.
+# How soon an idle stream tells its gateway that the rules were reloaded or the load changed.
 STATUS_POLL_S = 0.2
+DRAINING_MESSAGE = "the engine is shutting down; the request was not started"
+RETRY_AFTER_MS = 1000
 
 
 @dataclass
@@ -140,6 +147,27 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.engine = engine
         self.rules = rules  # for the reload counts the gateway turns into admin audit events
         self._doorbell: Doorbell | None = None  # of the loop that serves the streams (one)
+        self.draining = False  # shutting down: new requests are refused
+        self._preparing = 0  # requests of every stream between their frame and the scheduler
+
+    def load(self) -> tuple[int, int]:
+        """Requests running, and waiting (queued or being prepared). len() of the engine
+        thread's list and deque is safe to read from here."""
+        scheduler = self.engine.scheduler
+        return len(scheduler.running), len(scheduler.waiting) + self._preparing
+
+    async def drain(self, deadline_s: float) -> int:
+        """Refuse new requests and wait up to deadline_s for those in flight; returns how
+        many are left."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while self._left() and loop.time() < end:
+            await asyncio.sleep(0.05)
+        return self._left()
+
+    def _left(self) -> int:
+        return sum(self.load()) + self.engine.handed_over()
 
     async def Generate(
         self,
@@ -153,6 +181,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         reader = asyncio.create_task(self._read(request_iterator, sink))
         reader.add_done_callback(supervise.log_failure)  # never an unseen exception
         sent: engine_pb2.EngineStatus | None = None
+        # The load last sent (-1: none yet). Compared field by field: this runs for every
+        # step of every stream, and builds nothing unless the load changed.
+        sent_running = sent_waiting = -1
+        sent_draining = False
+        max_batch = self.engine.max_batch
         try:
             while True:
                 try:
@@ -163,7 +196,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if status != sent:  # first step, or the rules were reloaded
                     step.status.CopyFrom(status)
                     sent = status
-                if step.events or step.HasField("status"):
+                running, waiting = self.load()
+                if running != sent_running or waiting != sent_waiting or self.draining != sent_draining:
+                    load = step.load
+                    load.running, load.waiting, load.max_batch = running, waiting, max_batch
+                    load.draining = sent_draining = self.draining
+                    sent_running, sent_waiting = running, waiting
+                if step.events or step.HasField("status") or step.HasField("load"):
                     yield step
         finally:
             sink.closed = True  # before the cancel: a preparation finishing now submits nothing
@@ -193,16 +232,22 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         self.engine.cancel(sink, msg.cancel.request_id)
                 elif kind == "request":
                     request_id = msg.request.request_id
+                    if self.draining:
+                        sink.deliver_event(error_event(request_id, grpc.StatusCode.UNAVAILABLE,
+                                                       DRAINING_MESSAGE, retry_after_ms=RETRY_AFTER_MS))
+                        continue
                     if request_id in preparing:
                         sink.deliver_event(invalid("request_id", "a request with this id is in flight")
                                            .to_event(request_id))
                         continue
                     await room.acquire()
                     pending = preparing[request_id] = _Preparing()
+                    self._preparing += 1
                     pending.task = asyncio.create_task(self._prepare(msg.request, sink, pending))
 
                     def prepared(_: asyncio.Task, request_id: str = request_id) -> None:
                         del preparing[request_id]
+                        self._preparing -= 1
                         room.release()
 
                     pending.task.add_done_callback(prepared)

@@ -34,6 +34,18 @@ class Settings:
     engines: tuple[str, ...] = _setting(
         (), "engine addresses host:port the gateway forwards to (role gateway)"
     )
+    engines_file: str = _setting(
+        "", "role gateway: file of engine addresses, one host:port a line (# comments), "
+        "watched: engines added are used, engines removed drained, with no restart; a file "
+        "with a bad line, or with none, is logged and the previous engines stay")
+    engine_dns: str = _setting(
+        "", "role gateway: NAME:PORT whose addresses are the engines (e.g. a headless "
+        "Kubernetes Service), resolved again every FINSIEVE_ENGINE_DNS_INTERVAL_S; a failed "
+        "resolution keeps the previous engines")
+    engine_dns_interval_s: float = _setting(5.0, "how often FINSIEVE_ENGINE_DNS is resolved again")
+    max_engines: int = _setting(
+        256, "most engines a gateway serves (all sources together); a change that would pass "
+        "it is logged and the previous engines stay")
     model: str = _setting("", "Hugging Face model directory; empty = embedded default model")
     rules: str = _setting("rules", "directory of YAML rule packs; empty = no rules (--no-rules)")
     luts: str = _setting("luts", "where token-mask tables are kept (generated)")
@@ -179,6 +191,14 @@ class Settings:
         10.0, "close a connection whose TLS or HTTP/2 handshake is not done within this long")
     engine_connect_timeout_s: float = _setting(
         3.0, "an engine not connected within this long is marked down (probed in the background)")
+    engine_keepalive_time_s: float = _setting(
+        5.0, "a gateway pings each engine this often (at least 1: gRPC pings a server at most "
+        "once a second), so that one that hangs (stopped, or its link dead) is marked down "
+        "within this plus FINSIEVE_ENGINE_KEEPALIVE_TIMEOUT_S; an engine accepts pings twice "
+        "as often (set the same value on gateways and engines)")
+    engine_keepalive_timeout_s: float = _setting(
+        5.0, "an engine that does not answer a ping within this long is marked down, and its "
+        "requests are moved or fail UNAVAILABLE")
     rules_max_bytes: int = _setting(4194304, "largest rule pack (all files together)")
     regex_timeout_ms: float = _setting(
         20.0, "one regex search of the rules; past it the rule counts as matched (fail closed)")
@@ -230,7 +250,9 @@ class Settings:
                     "max_messages", "max_message_bytes", "max_in_flight_per_stream",
                     "max_in_flight_per_connection", "max_streams", "outbox_max_events",
                     "slow_reader_grace_s", "keepalive_time_s", "keepalive_timeout_s",
-                    "min_ping_interval_s", "engine_connect_timeout_s", "rules_max_bytes",
+                    "min_ping_interval_s", "engine_connect_timeout_s", "engine_keepalive_time_s",
+                    "engine_keepalive_timeout_s", "engine_dns_interval_s", "max_engines",
+                    "rules_max_bytes",
                     "regex_timeout_ms", "rules_debounce_ms", "audit_max_calls",
                     "admin_backlog_max", "handshake_timeout_s", "redis_max_connections")
         for name in positive:
@@ -275,17 +297,51 @@ class Settings:
         for name in ("max_connection_idle_s", "max_connection_age_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{self.env_name(name)}: must not be negative (0 = never)")
+        if self.engine_keepalive_time_s < 1:
+            raise ConfigError("FINSIEVE_ENGINE_KEEPALIVE_TIME_S: at least 1 (gRPC pings a server "
+                              "at most once a second)")
         if self.min_ping_interval_s > self.keepalive_time_s:
             raise ConfigError("FINSIEVE_MIN_PING_INTERVAL_S: must not exceed FINSIEVE_KEEPALIVE_TIME_S "
                               "(gateways ping engines that often)")
         _validate_frame_limit(self)
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError("FINSIEVE_DEFAULT_MAX_TOKENS: must not exceed max_tokens_limit")
-        if self.role == "gateway" and not self.engines:
-            raise ConfigError("--engine: role gateway needs at least one engine address")
+        if self.role == "gateway" and not (self.engines or self.engines_file or self.engine_dns):
+            raise ConfigError("--engine, --engines-file or --engine-dns: role gateway needs "
+                              "engines (an address, a file of addresses, or a DNS name)")
+        for address in self.engines:
+            _check_address(address, "--engine")
+        if self.engine_dns:
+            _check_address(self.engine_dns, "--engine-dns")
+        if len(self.engines) > self.max_engines:
+            raise ConfigError(f"--engine: {len(self.engines)} engines, more than "
+                              f"FINSIEVE_MAX_ENGINES ({self.max_engines})")
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+
+def engine_address(text: str) -> str:
+    """host:port, or [IPv6]:port, as given (spaces around it stripped); ValueError says why not."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError("expected host:port")
+    if any(c.isspace() or c in "/[]@" for c in host) or (":" in host and not text.startswith("[")):
+        raise ValueError("expected host:port (an IPv6 address in brackets: [::1]:50052)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("the port must be a number from 1 to 65535")
+    return text
+
+
+def _check_address(text: str, flag: str) -> None:
+    try:
+        engine_address(text)
+    except ValueError as e:
+        raise ConfigError(f"{flag} {text!r}: {e}") from None
 
 
 def _read_url(path: Path) -> str:

@@ -34,7 +34,11 @@ def server_options(settings: Settings, receive_bytes: int,
     """A server's limits: frame size, handshake time, keepalive (a silent peer is dropped),
     idle, and for servers of clients (the public and the officers' port; not an engine's,
     whose gateways hold their stream open for good) age. Idle closes only a connection with
-    no call open, so it never cuts a gateway's stream to an engine. The idle limit also closes a
+    no call open, so it never cuts a gateway's stream to an engine. An engine's listener
+    accepts its gateways' pings (FINSIEVE_ENGINE_KEEPALIVE_TIME_S) twice as often as they
+    come: gRPC counts a ping that comes sooner than its minimum interval after the last as a
+    strike (timers drift), and past max_ping_strikes closes the connection with GOAWAY
+    "too_many_pings", which would end every request on the gateway's stream. The idle limit also closes a
     connection that never opens a call, even one that sent only the HTTP/2 preface (or
     nothing): with grpcio 1.85 and a 2 s limit, 20 such connections closed 1.9-2.3 s after
     they opened. Without it, one that sent the whole preface (with its SETTINGS frame) stays
@@ -46,9 +50,13 @@ def server_options(settings: Settings, receive_bytes: int,
         ("grpc.keepalive_time_ms", _ms(settings.keepalive_time_s)),
         ("grpc.keepalive_timeout_ms", _ms(settings.keepalive_timeout_s)),
         # Peers may ping (also with no call open), at most every min_ping_interval_s: more
-        # often twice and the connection is closed (GOAWAY "too_many_pings").
+        # often twice and the connection is closed (GOAWAY "too_many_pings"). The key is
+        # gRPC's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS: an unknown key (the
+        # macro's name spelled as a key) is ignored, and the default, 5 minutes, applies.
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", _ms(settings.min_ping_interval_s)),
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(
+            settings.min_ping_interval_s if clients
+            else min(settings.min_ping_interval_s, settings.engine_keepalive_time_s / 2))),
         ("grpc.http2.max_ping_strikes", 2),
     ]
     if settings.max_connection_idle_s > 0:
@@ -59,14 +67,22 @@ def server_options(settings: Settings, receive_bytes: int,
     return options
 
 
-def engine_channel_options(settings: Settings) -> list[tuple[str, int]]:
+def engine_channel_options(settings: Settings) -> list[tuple[str, int | str]]:
     """The gateway's channel to an engine: the link's limit, and keepalive pings so that an
-    engine that stops answering breaks the stream (its requests fail, it is marked down)."""
+    engine that stops answering (a stopped process, a dead link: TCP alone notices neither
+    for minutes) breaks the stream within seconds: it is marked down, and its requests move
+    to another engine or fail UNAVAILABLE."""
     return [
         ("grpc.max_receive_message_length", ENGINE_MESSAGE_BYTES),
         ("grpc.max_send_message_length", ENGINE_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", _ms(settings.keepalive_time_s)),
-        ("grpc.keepalive_timeout_ms", _ms(settings.keepalive_timeout_s)),
+        ("grpc.keepalive_time_ms", _ms(settings.engine_keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(settings.engine_keepalive_timeout_s)),
+        # Any ping unanswered this long closes the connection. gRPC allows one ping in flight:
+        # while its flow-control probe (BDP) waits for an answer from a stopped engine, no
+        # keepalive ping goes out, and only this timeout (1 min by default; gRPC core's
+        # internal GRPC_ARG_PING_TIMEOUT_MS) ends the wait: a SIGSTOPped engine was found
+        # after 61 s with keepalive at 1 s, and after 2-3 s with this set.
+        ("grpc.http2.ping_timeout_ms", _ms(settings.engine_keepalive_timeout_s)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # Come back quickly after an engine restarts instead of gRPC's default backoff (minutes).

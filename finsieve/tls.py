@@ -14,6 +14,8 @@ from finsieve.errors import ConfigError
 from finsieve.secretfiles import read_secret
 
 MAX_PEM_BYTES = 1 << 20
+REMOTE_PLAINTEXT = ("refusing plaintext to a remote engine: give --engine-ca (the CA of the "
+                    "engines' certificates), or --allow-insecure")
 ALLOWED_PEERS = "--engine-allowed-peers"
 ALLOWED_PEERS_ENV = "FINSIEVE_ENGINE_ALLOWED_PEERS"
 # Which of gRPC's auth-context properties holds each kind of name: the SANs by type, so
@@ -65,11 +67,9 @@ def check_transport(s: Settings) -> None:
         if not s.tls_cert and not is_loopback(host):
             raise ConfigError(f"{flag} {host}: refusing plaintext on a non-loopback address: {why}")
     if s.role == "gateway" and not s.engine_ca:
-        for address in s.engines:
-            if not is_loopback(host_of(address)):
-                raise ConfigError(
-                    f"--engine {address}: refusing plaintext to a remote engine: give "
-                    "--engine-ca (the CA of the engines' certificates), or --allow-insecure")
+        for flag, address in [*(("--engine", a) for a in s.engines), ("--engine-dns", s.engine_dns)]:
+            if address and not is_loopback(host_of(address)):
+                raise ConfigError(f"{flag} {address}: {REMOTE_PLAINTEXT}")
 
 
 def _check_engine_peers(s: Settings) -> None:

@@ -6,6 +6,12 @@ marked down once (one log line) and probed in the background; a request never wa
 down engine, and requests never wait for each other to connect. Only before an engine's
 first connection attempt has finished may a request wait for it, and only when no engine
 is up yet.
+
+Engines come and go at run time (gateway/discovery.py calls `EnginePool.update`): a new
+address gets its client and stream at once; a removed one is drained (no new request; those
+in flight may finish for the drain deadline), then its stream and channel close. Each request
+goes to the engine that is least busy by the load it reports on its stream (EngineLoad),
+counting what this gateway sent it since that report; engines that are down come last.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +36,8 @@ EventHandler = Callable[[chat_pb2.ChatServerMessage], None]
 TERMINAL = ("finished", "error")
 RETRY_AFTER_MS = 1000  # hint to a client when no engine is up
 RECONNECT_PAUSE_S = 0.5  # after a stream broke on a connection that still looks fine
+DRAIN_POLL_S = 0.05
+ChannelOptions = list[tuple[str, int | str]]
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class EngineCredentials:
 
 class EngineClient:
     def __init__(self, address: str, connect_timeout: float = 3.0,
-                 options: list[tuple[str, int]] | None = None,
+                 options: ChannelOptions | None = None,
                  credentials: EngineCredentials | None = None) -> None:
         self.address = address
         self._connect_timeout = connect_timeout
@@ -65,6 +73,11 @@ class EngineClient:
         self.down_reason = "not connected yet"
         # What a request submitted now would run under, as the engine last said on its stream.
         self.status: engine_pb2.EngineStatus | None = None
+        # Its load as it last reported it (running + waiting, KV slots, draining); None
+        # before its stream's first report (or from an engine that reports none).
+        self.load: tuple[int, int, bool] | None = None
+        self._unreported = 0  # requests sent to it since that report
+        self.removed = False  # taken out of the pool: it drains, then closes
 
     @property
     def up(self) -> bool:
@@ -73,6 +86,20 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         return len(self._handlers)
+
+    @property
+    def accepting(self) -> bool:
+        """In the pool, and not shutting down by its own report."""
+        return not self.removed and not (self.load is not None and self.load[2])
+
+    def busy(self) -> float:
+        """How full it would be with one more request: its requests running and waiting as
+        reported, plus those this gateway sent since, over its KV slots (engines of different
+        sizes compare by how full they are). Before its first report: this gateway's requests
+        on it, as if it had one slot."""
+        if self.load is None or self.load[1] <= 0:
+            return float(self.in_flight + 1)
+        return (self.load[0] + self._unreported + 1) / self.load[1]
 
     def start(self) -> None:
         if self._task is None:
@@ -88,6 +115,7 @@ class EngineClient:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                "the request is too large to forward to an engine", "messages")
         self._handlers[request.request_id] = handler
+        self._unreported += 1
         try:
             async with self._write_lock:
                 await call.write(message)
@@ -164,6 +192,10 @@ class EngineClient:
             async for step in call:
                 if step.HasField("status"):
                     self.status = step.status
+                if step.HasField("load"):
+                    load = step.load
+                    self.load = (load.running + load.waiting, load.max_batch, load.draining)
+                    self._unreported = 0
                 for event in step.events:
                     handler = self._handlers.get(event.request_id)
                     if handler is None:
@@ -185,7 +217,8 @@ class EngineClient:
             raise
         finally:  # nothing is left waiting
             self._call = None
-            self.status = None
+            self.status = self.load = None
+            self._unreported = 0
             lost, self._handlers = self._handlers, {}
             if lost:
                 log.warning("engine stream lost", engine=self.address, requests=len(lost))
@@ -204,53 +237,123 @@ class EngineClient:
 
 
 class EnginePool:
-    """Spreads requests over the engines that are up: the least loaded first, the next on
-    failure. Call start() once a loop runs."""
+    """The engines in service: requests go to the least busy that is up and accepting, the
+    next on failure. Call start() once a loop runs."""
 
     def __init__(self, addresses: list[str], connect_timeout: float = 3.0,
-                 options: list[tuple[str, int]] | None = None,
-                 credentials: EngineCredentials | None = None) -> None:
-        self.clients = [EngineClient(a, connect_timeout, options, credentials) for a in addresses]
+                 options: ChannelOptions | None = None,
+                 credentials: EngineCredentials | None = None, drain_s: float = 20.0) -> None:
         self._connect_timeout = connect_timeout
+        self._options = options or []
+        self._credentials = credentials or EngineCredentials()
+        self._drain_s = drain_s
+        self._clients: dict[str, EngineClient] = {a: self._client(a, "") for a in addresses}
+        self._draining: dict[str, tuple[EngineClient, asyncio.Task[None]]] = {}
+        self._started = False
         self._ids = itertools.count()
 
+    @property
+    def clients(self) -> list[EngineClient]:
+        """The engines in service (not those being drained)."""
+        return list(self._clients.values())
+
     def start(self) -> None:
-        for c in self.clients:
+        self._started = True
+        for c in self._clients.values():
             c.start()
 
     def new_id(self) -> str:
         return f"r{next(self._ids)}"
 
-    async def submit(self, request: chat_pb2.ChatRequest, handler: EventHandler) -> EngineClient:
+    def update(self, wanted: Mapping[str, str]) -> None:
+        """Serve exactly the engines `wanted` names (address -> the name its TLS certificate
+        must carry, "" for the address's own host): new ones are connected, missing ones
+        drained and closed, one being drained that is wanted again is back in service."""
+        for address, tls_name in wanted.items():
+            if address in self._clients:
+                continue
+            if address in self._draining:
+                client, task = self._draining.pop(address)
+                task.cancel()  # still waiting for its requests: it never closed
+                client.removed = False
+                log.info("engine back in service", engine=address)
+            else:
+                client = self._client(address, tls_name)
+                if self._started:
+                    client.start()
+                log.info("engine added", engine=address)
+            self._clients[address] = client
+        for address in [a for a in self._clients if a not in wanted]:
+            client = self._clients.pop(address)
+            client.removed = True
+            log.info("engine removed; draining it", engine=address, in_flight=client.in_flight)
+            task = asyncio.create_task(self._drain(client), name=f"engine-drain {address}")
+            task.add_done_callback(supervise.log_failure)
+            self._draining[address] = (client, task)
+
+    async def submit(self, request: chat_pb2.ChatRequest, handler: EventHandler,
+                     avoid: Collection[str] = ()) -> EngineClient:
+        """Send the request to the least busy engine (none in `avoid`); RequestError
+        UNAVAILABLE when no engine takes it."""
         self.start()
         await self._first_probes()
         errors = []
-        for client in sorted(self.clients, key=lambda c: (not c.up, c.in_flight)):
+        for client in self._ranked(avoid):
             try:
                 await client.submit(request, handler)
                 return client
             except RequestError as e:
                 errors.append(e.message)
+        if not errors:
+            errors.append("none is in service" if not self._clients
+                          else "none is accepting requests")
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "no engine available: " + "; ".join(errors),
                            retry_after_ms=RETRY_AFTER_MS)
 
     def status(self) -> engine_pb2.EngineStatus | None:
         """What a request submitted now would run under, as the engine it would go to last
         said on its stream (None before an engine's stream is open)."""
-        up = [c for c in self.clients if c.up]
-        return min(up, key=lambda c: c.in_flight).status if up else None
+        ranked = self._ranked(())
+        return ranked[0].status if ranked and ranked[0].up else None
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients))
+        for _, task in self._draining.values():
+            task.cancel()
+        everyone = [*self._clients.values(), *(c for c, _ in self._draining.values())]
+        self._clients, self._draining = {}, {}
+        await asyncio.gather(*(c.close() for c in everyone))
+
+    def _client(self, address: str, tls_name: str) -> EngineClient:
+        options = self._options
+        if tls_name and self._credentials.tls is not None:
+            options = [*options, ("grpc.ssl_target_name_override", tls_name)]
+        return EngineClient(address, self._connect_timeout, options, self._credentials)
+
+    def _ranked(self, avoid: Collection[str]) -> list[EngineClient]:
+        """The engines a request may go to, the best first: up before down, then the least busy."""
+        return sorted((c for c in self._clients.values() if c.accepting and c.address not in avoid),
+                      key=lambda c: (not c.up, c.busy()))
+
+    async def _drain(self, client: EngineClient) -> None:
+        """A removed engine's requests in flight may finish for the drain deadline; then its
+        stream closes (those still running fail UNAVAILABLE, or move if nothing reached their
+        client)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._drain_s
+        while client.in_flight and loop.time() < end:
+            await asyncio.sleep(DRAIN_POLL_S)
+        del self._draining[client.address]
+        log.info("engine closed", engine=client.address, unfinished=client.in_flight)
+        await client.close()
 
     async def _first_probes(self) -> None:
         """Right after start-up, with no engine up yet: wait (all requests together, at most
         the connect timeout) until one is up or every first attempt has an outcome."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._connect_timeout
-        while not any(c.up for c in self.clients) and loop.time() < deadline:
+        while not any(c.up for c in self._clients.values()) and loop.time() < deadline:
             waiting = [asyncio.ensure_future(c.probed.wait())
-                       for c in self.clients if not c.probed.is_set()]
+                       for c in self._clients.values() if not c.probed.is_set()]
             if not waiting:
                 return
             _, pending = await asyncio.wait(waiting, timeout=deadline - loop.time(),

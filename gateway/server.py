@@ -9,6 +9,11 @@ flight per stream and per connection, events waiting for it (a client that stops
 ended after a grace period), cancels (only the first for a live request reaches the engine).
 When a stream ends for any reason (the client left, its deadline passed, it was ended),
 every request still on it is cancelled at the engine and audited as CANCELLED.
+
+A request whose engine is lost (its stream broke, or the engine refused it UNAVAILABLE, as
+one shutting down does) before any delta or policy event reached the client runs again on
+another engine, at most MAX_MOVES times, each move a `request_moved` audit record; the rest
+end UNAVAILABLE with a retry hint.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
 from .audit import AuditError, AuditLog
 from .cache import CachedAnswer, ResponseCache, cache_key, lookup_skipped, not_stored
-from .engines import TERMINAL, EngineClient, EnginePool
+from .engines import TERMINAL, EngineClient, EnginePool, EventHandler
 from .frames import BadFrame
 from .identity import ClientAuthenticator
 from .limits import Limiter
@@ -58,6 +63,10 @@ STREAMS_ENDED = Counter("finsieve_streams_ended", "Chat streams the gateway ende
 RETRY_AFTER_MS = 1000  # hint with RESOURCE_EXHAUSTED
 _CLIENT_KEY = re.compile(r"\[(?!\d+\])[^\]]*\]?")  # a bracketed field part that is no index
 AUDIT_SERIAL_S = 10.0  # after a failed audit write, records are written before engines start
+MAX_MOVES = 2  # times one request is run again on another engine after its engine was lost
+MOVES = Counter("finsieve_gateway_requests_moved", "Requests run again on another engine after "
+                "theirs was lost before anything reached the client")
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
 @dataclass(frozen=True)
@@ -76,10 +85,13 @@ class _InFlight:
     engine: EngineClient | None = None  # set once the engine accepted it
     cancelled: bool = False  # a cancel was asked for (sent once the engine has it)
     done: bool = False  # its terminal event was delivered: anything after it is dropped
-    # The engine's events while the request_started record is being written (None: relayed
-    # as they come): nothing reaches the client before that record is in the trail. One
-    # Redis write long (its socket timeout at most), so one answer's events at most.
+    # The engine's events while the request is being submitted and its request_started
+    # (or request_moved) record written (None: relayed as they come): nothing reaches the
+    # client before that record is in the trail. One Redis write long (its socket timeout at
+    # most), so one answer's events at most.
     held: list[chat_pb2.ChatServerMessage] | None = None
+    output: bool = False  # a delta or policy event reached the client: it can no longer move
+    tried: list[str] = field(default_factory=list)  # the engines it was sent to, in order
 
 
 @dataclass(eq=False)
@@ -270,7 +282,10 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             if flight.done:
                 return
             event.request_id = client_id
-            if event.HasField("policy_event"):
+            if event.HasField("delta"):
+                flight.output = True
+            elif event.HasField("policy_event"):
+                flight.output = True
                 event.policy_event.suppressed = ""  # for the audit trail, never for the client
             if event.HasField("finished") and trace.audit_id:
                 event.finished.audit_id = str(trace.audit_id)
@@ -284,9 +299,6 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 stream.close_if_idle(self.draining)
 
         def relay(event: chat_pb2.ChatServerMessage) -> None:
-            if flight.held is not None:
-                flight.held.append(event)
-                return
             if flight.done:
                 return
             trace.observe(event)
@@ -297,6 +309,22 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
                 if self.limiter is not None and event.HasField("finished"):
                     self._in_background(self.limiter.charge(
                         stream.caller.tenant, event.finished.usage.completion_tokens))
+
+        def from_engine(event: chat_pb2.ChatServerMessage) -> None:
+            """The engine's events: held while the request is being submitted and recorded
+            (and, after a refusal, until its error is relayed); a request the engine lost
+            before anything reached the client runs again elsewhere."""
+            if flight.done:
+                return
+            if flight.held is not None:
+                flight.held.append(event)
+            elif self._may_move(event, flight):
+                self._in_background(self._move(internal, from_engine, relay, trace, flight, stream,
+                                               event))
+            elif not (len(flight.tried) > 1 and event.HasField("started")
+                      and (event.started.model, event.started.policy_version)
+                      == (trace.model, trace.policy_version)):  # moved: the client has this one
+                relay(event)
 
         try:
             hit = await self._lookup(req, trace, policy)
@@ -313,14 +341,14 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
             internal.CopyFrom(req)
             internal.DiscardUnknownFields()  # only what the contract names reaches an engine
             internal.request_id = flight.internal_id
-            await self._record_and_submit(internal, relay, trace, flight, stream)
+            await self._record_and_submit(internal, from_engine, trace, flight, stream)
         except RequestError as e:
             relay(e.to_event(client_id))
         except Exception:  # fail this request, never the stream
             log.exception("request failed in the gateway")
             relay(error_event(client_id, grpc.StatusCode.INTERNAL, "the gateway failed this request"))
 
-    async def _record_and_submit(self, internal: chat_pb2.ChatRequest, relay: Callable,
+    async def _record_and_submit(self, internal: chat_pb2.ChatRequest, from_engine: EventHandler,
                                  trace: Trace, flight: _InFlight, stream: _Stream) -> None:
         """The request_started record, and the request on an engine. While the trail is
         healthy, both at once (masking the prompt and the round trip to Redis were ~1.5 ms
@@ -328,31 +356,85 @@ class GatewayService(chat_pb2_grpc.GatewayServicer):
         record is in, and a refusal (fail closed) cancels the engine's request and drops
         what it made. For AUDIT_SERIAL_S after a failed write, the record first: a trail
         that is down must not cost the engines the work of the requests it refuses."""
-        if time.monotonic() < self._audit_serial_until:
-            trace.audit_id = await self._audit("request_started", trace.started_record, trace.ids())
-            await self._submit_to_engine(internal, relay, flight, stream)
-            return
         flight.held = []
-        recording = asyncio.ensure_future(self._audit("request_started", trace.started_record, trace.ids()))
         try:
-            try:
-                await self._submit_to_engine(internal, relay, flight, stream)
-            finally:  # shielded: a record half-written when cancelled would be neither in nor out
-                trace.audit_id = await asyncio.shield(recording)
-        except BaseException:
-            flight.held = None  # never streamed
+            if time.monotonic() < self._audit_serial_until:
+                trace.audit_id = await self._audit("request_started", trace.started_record,
+                                                   trace.ids())
+                await self._submit_to_engine(internal, from_engine, flight, stream)
+            else:
+                recording = asyncio.ensure_future(
+                    self._audit("request_started", trace.started_record, trace.ids()))
+                try:
+                    await self._submit_to_engine(internal, from_engine, flight, stream)
+                finally:  # shielded: a record half-written when cancelled would be neither in nor out
+                    trace.audit_id = await asyncio.shield(recording)
+        except BaseException:  # what the engine sends stays held, and is dropped: never streamed
             await self._cancel_all([flight])  # once: not again after a client's cancel
             raise
-        held, flight.held = flight.held, None
-        for event in held:
-            relay(event)
+        self._release_held(flight, from_engine)
 
-    async def _submit_to_engine(self, internal: chat_pb2.ChatRequest, relay: Callable,
+    async def _submit_to_engine(self, internal: chat_pb2.ChatRequest, from_engine: EventHandler,
                                 flight: _InFlight, stream: _Stream) -> None:
-        flight.engine = await self.engines.submit(internal, relay)
+        flight.engine = await self.engines.submit(internal, from_engine, avoid=flight.tried)
+        flight.tried.append(flight.engine.address)
         if flight.cancelled or stream.closed:  # asked for while it was being submitted
             flight.cancelled = True
             await flight.engine.cancel(flight.internal_id)
+
+    def _release_held(self, flight: _InFlight, from_engine: EventHandler) -> None:
+        """Relay what the engine sent while its events were held; if it lost the request
+        meanwhile, none of it reached the client: dropped, and the request moves."""
+        held, flight.held = flight.held or [], None
+        if held and self._may_move(held[-1], flight):
+            held = held[-1:]
+        for event in held:
+            from_engine(event)
+
+    def _may_move(self, event: chat_pb2.ChatServerMessage, flight: _InFlight) -> bool:
+        """Its engine lost it, nothing of it reached the client, and it has moves left."""
+        return (event.HasField("error") and event.error.code == _UNAVAILABLE and not flight.output
+                and not flight.done and flight.engine is not None
+                and len(flight.tried) <= MAX_MOVES)
+
+    async def _move(self, internal: chat_pb2.ChatRequest, from_engine: EventHandler,
+                    relay: EventHandler, trace: Trace, flight: _InFlight, stream: _Stream,
+                    lost: chat_pb2.ChatServerMessage) -> None:
+        """Run the request on another engine, and record the move (as a request's first
+        record: its events are held until the record is in; a refusal fails it). A client
+        that cancelled or left meanwhile has its request end CANCELLED here. Nothing that
+        goes wrong leaves the client without a terminal event."""
+        old, flight.engine = flight.engine, None  # a cancel meanwhile is sent to the new one
+        assert old is not None  # _may_move checked it
+        if flight.cancelled or stream.closed:
+            relay(chat_pb2.ChatServerMessage(finished=chat_pb2.Finished(
+                finish_reason=chat_pb2.FINISH_REASON_CANCELLED)))
+            return
+        flight.held = []
+        try:
+            try:
+                await self._submit_to_engine(internal, from_engine, flight, stream)
+            except RequestError:  # no engine takes it: the client hears of the engine it lost
+                relay(lost)
+                return
+            assert flight.engine is not None
+            new = flight.engine.address
+            MOVES.inc()
+            log.info("request moved to another engine", from_engine=old.address, to_engine=new,
+                     moves=len(flight.tried) - 1)
+            trace.moved_from.append(old.address)
+            await self._audit("request_moved", lambda: {
+                "tenant": trace.caller.tenant, "key_id": trace.caller.key_id,
+                "audit_id": trace.audit_id, "from_engine": old.address, "to_engine": new,
+                "reason": lost.error.message, "moves": len(flight.tried) - 1}, trace.ids())
+        except Exception as e:  # what the new engine sends stays held, and is dropped
+            await self._cancel_all([flight])
+            if not isinstance(e, RequestError):
+                log.exception("moving a request failed")
+                e = RequestError(grpc.StatusCode.INTERNAL, "the gateway failed this request")
+            relay(e.to_event(""))
+            return
+        self._release_held(flight, from_engine)
 
     def _release(self, peer: str) -> None:
         left = self._per_peer.get(peer, 0) - 1

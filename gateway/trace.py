@@ -43,6 +43,7 @@ class Trace:
     interventions: list[dict[str, Any]] = field(default_factory=list)
     terminal: chat_pb2.ChatServerMessage | None = None
     events: list[chat_pb2.ChatServerMessage] = field(default_factory=list)  # as the client got them
+    moved_from: list[str] = field(default_factory=list)  # engines that lost it, in order
     _stored: tuple[dict[str, Any], set[str]] | None = field(default=None, init=False, repr=False)
 
     def identity(self) -> dict[str, str]:
@@ -109,6 +110,8 @@ class Trace:
             record["replays"] = replayed.get("seq")
         elif self.audit_id:
             record["audit_id"] = self.audit_id
+        if self.moved_from:
+            record["moved_from"] = self.moved_from
         t = self.terminal
         if t is not None and t.WhichOneof("event") == "finished":
             record["finish_reason"] = chat_pb2.FinishReason.Name(

@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--audit-port", type=int, help="the officers' AuditService (loopback by default)")
     s.add_argument("--engine", dest="engines", action="append", metavar="ADDR",
                    help="engine host:port (role gateway; repeat for several)")
+    s.add_argument("--engines-file", metavar="FILE",
+                   help="file of engine addresses, one host:port a line, watched (role gateway)")
+    s.add_argument("--engine-dns", metavar="NAME:PORT",
+                   help="DNS name whose addresses are the engines, resolved again every "
+                   "FINSIEVE_ENGINE_DNS_INTERVAL_S (role gateway; e.g. a headless Service)")
     s.add_argument("--model", metavar="PATH", help="Hugging Face model directory")
     s.add_argument("--rules", metavar="DIR")
     s.add_argument("--no-rules", dest="rules", action="store_const", const="",

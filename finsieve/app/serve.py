@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import prometheus_client
 import structlog
@@ -41,6 +42,7 @@ from gateway.anchors import Anchoring, AnchorWriter
 from gateway.audit import AuditLog
 from gateway.audit_recovery import Checking, audit_log
 from gateway.cache import ResponseCache
+from gateway.discovery import Discovery, Sources
 from gateway.engines import EngineCredentials, EnginePool
 from gateway.frames import add_gateway_to_server
 from gateway.identity import ClientAuthenticator
@@ -49,6 +51,9 @@ from gateway.limits import tenant_limiter
 from gateway.rules import GatewayPolicy, compile_gateway_policy
 from gateway.server import Bounds, GatewayService
 from gateway.validation import Limits
+
+if TYPE_CHECKING:  # a gateway-only process never loads torch
+    from engine.server import EngineService
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +83,9 @@ async def serve(settings: Settings) -> None:
     engine_secret = (secrets.token_hex(32).encode()
                      if settings.role == "all" and not settings.engine_secret_file
                      else secretfiles.engine_secret(settings.engine_secret_file, state))
+    discovery = Discovery(Sources.of(settings)) if settings.role == "gateway" else None
+    if discovery is not None:
+        discovery.load()  # a bad engines file stops start-up here
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -88,8 +96,8 @@ async def serve(settings: Settings) -> None:
     failed = asyncio.Event()  # the engine's device failed
     servers: list[RunningServer] = []
     async with AsyncExitStack() as stack:
-        engine_addresses = list(settings.engines)
         client = None
+        engine_service = None
         if gateway_side:
             # First: valkey-server and the officers' process are started before gRPC starts
             # its threads.
@@ -98,8 +106,10 @@ async def serve(settings: Settings) -> None:
                 settings, officers.Secrets(url, password, key, keys_secret))
             stack.callback(officers_process.stop)
         if settings.role in ("all", "engine"):
-            address = await _start_engine(settings, engine_secret, stack, servers, failed)
-            engine_addresses = [address] if settings.role == "all" else engine_addresses
+            address, engine_service = await _start_engine(settings, engine_secret, stack, servers,
+                                                          failed)
+            if settings.role == "all":
+                discovery = Discovery(Sources(static=(address,)))
         if client is not None:
             audit = audit_log(settings, client, key, "gateway")
             stack.push_async_callback(audit.aclose)
@@ -118,8 +128,9 @@ async def serve(settings: Settings) -> None:
             rules = _gateway_rules(settings, key, stack)
             engine_tls = tls.engine_channel_credentials(settings) if settings.role == "gateway" else None
             settle_heap()  # before the port opens: a first request must not wait for it
+            assert discovery is not None  # role gateway, or all (its own engine)
             gateway, running = await _start_gateway(
-                settings, engine_addresses, EngineCredentials(engine_secret, engine_tls), audit,
+                settings, discovery, EngineCredentials(engine_secret, engine_tls), audit,
                 keys, client, rules, stack)
             servers.append(running)
             await trail.record({"event": "server_start", "role": settings.role})
@@ -147,6 +158,12 @@ async def serve(settings: Settings) -> None:
             await _until(stop, failed)
             for s in servers:
                 await s.set_serving(False)
+            if engine_service is not None and not failed.is_set():
+                # Gateways stop sending (its load says it drains) and run what still comes
+                # elsewhere; the requests in flight finish before the listener stops.
+                log.info("draining", deadline_s=settings.drain_seconds)
+                left = await engine_service.drain(settings.drain_seconds)
+                log.info("drained", unfinished=left)
     if failed.is_set():
         raise EngineStopped("the engine's device failed; exiting so that it is restarted")
     log.info("stopped")
@@ -175,7 +192,9 @@ async def _until(*events: asyncio.Event) -> None:
 
 
 async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack,
-                        servers: list[RunningServer], failed: asyncio.Event) -> str:
+                        servers: list[RunningServer], failed: asyncio.Event
+                        ) -> tuple[str, EngineService]:
+    """The engine, serving; its address and service."""
     # Imported here: a gateway-only process never loads torch.
     from engine.engine import EngineLimits, LLMEngine
     from engine.loader import load_model, resolve_device
@@ -233,7 +252,8 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     apart = settings.role == "engine"  # else in this process, on loopback, for our gateway
     host = settings.host if apart else "127.0.0.1"
     port = settings.engine_port if apart else 0
-    service = Service(ENGINE, EngineService(engine, holder), add_to_server)
+    engine_service = EngineService(engine, holder)
+    service = Service(ENGINE, engine_service, add_to_server)
     # Engines trust only gateways: the shared secret, and with mTLS an allowed certificate.
     gate = AuthInterceptor(GatewayGate.of(settings, secret, apart), roles_for({ENGINE: GATEWAY_ROLE}))
     settle_heap()  # before the port opens: ~0.4 s with the GIL held, a first request's wait
@@ -246,7 +266,7 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     log.info("engine serving", address=f"{host}:{running.port}", model=engine.model_name,
              device=str(device), max_batch=engine.max_batch, max_context=engine.max_context,
              mode=engine.mode)
-    return f"{host}:{running.port}"
+    return f"{host}:{running.port}", engine_service
 
 
 def _watch_rules(settings: Settings, token_bytes: list[bytes], stack: AsyncExitStack,
@@ -327,7 +347,7 @@ async def _development_keys(settings: Settings, keys: KeyStore, trail: AdminTrai
 
 
 async def _start_gateway(
-    settings: Settings, engines: list[str], engine_credentials: EngineCredentials,
+    settings: Settings, discovery: Discovery, engine_credentials: EngineCredentials,
     audit: AuditLog, keys: KeyStore, client: Client,
     rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
 ) -> tuple[GatewayService, RunningServer]:
@@ -335,10 +355,12 @@ async def _start_gateway(
     limiter = tenant_limiter(settings, client)
     renew = supervise.start("tenant-leases", limiter.renew_leases)
     stack.callback(renew.cancel)
-    pool = EnginePool(engines, settings.engine_connect_timeout_s, engine_channel_options(settings),
-                      engine_credentials)
-    pool.start()
+    pool = EnginePool([], settings.engine_connect_timeout_s, engine_channel_options(settings),
+                      engine_credentials, settings.drain_seconds)
     stack.push_async_callback(pool.close)
+    await discovery.start(pool)
+    stack.push_async_callback(discovery.stop)  # before the pool closes
+    pool.start()
     cache = ResponseCache(client, audit, settings.cache_ttl_s, settings.cache_max_bytes,
                           settings.cache_store_wait_ms / 1000) if settings.cache_ttl_s > 0 else None
     limits = Limits(settings.max_tokens_limit, settings.max_input_bytes, settings.max_messages)
@@ -354,7 +376,8 @@ async def _start_gateway(
         interceptors=[AuthInterceptor(auth, roles_for({GATEWAY: "app"}))])
     # After the drain: ends what is left of the streams.
     stack.push_async_callback(running.server.stop, 1)
-    log.info("gateway serving", address=f"{settings.host}:{running.port}", engines=engines,
+    log.info("gateway serving", address=f"{settings.host}:{running.port}",
+             engines=sorted(discovery.engines()),
              tls=credentials is not None, mtls=bool(settings.tls_client_ca))
     return gateway, running
 
@@ -379,4 +402,6 @@ async def _watch_admin(engines: EnginePool, trail: AdminTrail,
                                     "policy_version": info.policy_version,
                                     "reason": info.last_rejection})
             seen[client.address] = (info.pack_loads, info.pack_rejections)
+        for address in seen.keys() - {c.address for c in engines.clients}:
+            del seen[address]  # engines come and go (a DNS name's pods): bounded by those in service
         await asyncio.sleep(1.0)

@@ -633,6 +633,61 @@ def test_requests_sent_before_the_gateway_half_closes_are_still_answered(engine,
     assert out["last"][-1].WhichOneof("event") == "finished"
 
 
+def test_the_stream_reports_the_engines_load_and_its_drain(engine):
+    """Each gateway stream hears the engine's load when it changes (the first step, a request
+    running, back to idle, draining); a request that comes while the engine drains is
+    refused UNAVAILABLE with a retry hint (its gateway runs it elsewhere)."""
+    from engine.server import DRAINING_MESSAGE, EngineService, add_to_server
+    from finsieve.grpc_server import Service, start_server
+    from finsieve.v1 import engine_pb2
+
+    async def run() -> tuple[list[tuple[int, int, int, bool]], chat_pb2.ChatServerMessage]:
+        service = EngineService(engine)
+        running = await start_server("127.0.0.1:0", [Service("finsieve.v1.Engine", service,
+                                                             add_to_server)])
+        frames: asyncio.Queue[bytes] = asyncio.Queue()
+        loads, finished = [], set()
+
+        async def send():
+            while True:
+                yield await frames.get()
+
+        async def until(done) -> engine_pb2.EngineStep:
+            while True:
+                step = await asyncio.wait_for(call.read(), 30)
+                finished.update(e.request_id for e in step.events if e.HasField("finished"))
+                if step.HasField("load"):
+                    load = step.load
+                    loads.append((load.running, load.waiting, load.max_batch, load.draining))
+                if done(step):
+                    return step
+
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                call = channel.stream_stream("/finsieve.v1.Engine/Generate", request_serializer=None,
+                                             response_deserializer=engine_pb2.EngineStep.FromString)(send())
+                await until(lambda step: step.HasField("load"))  # the first step says it
+                frames.put_nowait(_frame(chat_request("busy", "Say hello.", max_tokens=4)))
+                # Idle again: said by the step of its last events, or by one of its own.
+                await until(lambda step: "busy" in finished and loads[-1][:2] == (0, 0))
+                await service.drain(0)
+                await until(lambda step: loads[-1][3])
+                frames.put_nowait(_frame(chat_request("late", "Say hello.", max_tokens=4)))
+                late = await until(lambda step: bool(step.events))
+                call.cancel()
+        finally:
+            await running.server.stop(0)
+        return loads, late.events[0]
+
+    with _engine_thread(engine):
+        loads, late = asyncio.run(run())
+    assert loads[0][2:] == (engine.max_batch, False) and (1, 0, engine.max_batch, False) in loads
+    assert loads[-1] == (0, 0, engine.max_batch, True)
+    assert (late.request_id, late.error.code, late.error.message) == (
+        "late", grpc.StatusCode.UNAVAILABLE.value[0], DRAINING_MESSAGE)
+    assert late.error.retry_after_ms > 0
+
+
 def test_a_device_that_stops_computing_stops_the_engine_and_fails_its_requests(engine, monkeypatch):
     """A CUDA error cannot be produced on the CPU: the step's failure and the lost device are
     injected. Every request gets UNAVAILABLE and `failed` is set (serve then exits with 1)."""

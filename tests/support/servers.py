@@ -4,6 +4,7 @@ settings of the two the session shares (the session server and the tight one).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import os
@@ -53,6 +54,7 @@ class Server:
     audit_target: str
     log_path: Path
     state: Path
+    metrics: str = ""  # its Prometheus endpoint, where the test asked for one
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -99,6 +101,19 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
         raise RuntimeError(f"server did not come up:\n{server.log()}")
     return server
 
+
+
+def start_engine(tmp: Path, *args: str, port: int = 0, env: dict[str, str] | None = None) -> Server:
+    """`finsieve serve --role engine` on `port` (a free one by default); waits for its health.
+    The Server's target is the engine's address."""
+    port = port or free_port()
+    server = start_server(tmp, "--role", "engine", "--engine-port", str(port), *args, env=env,
+                          ready=False)
+    server = dataclasses.replace(server, target=f"127.0.0.1:{port}")
+    if not asyncio.run(wait_ready(server.target, 120)):
+        server.stop(signal.SIGKILL)
+        raise RuntimeError(f"engine did not come up:\n{server.log()}")
+    return server
 
 
 def wait_cached(server: Server, events: list, request, tenant: str = "default") -> None:
