@@ -38,8 +38,8 @@ AUDIT_KEY = b"residue-audit-key-of-at-least-32-bytes"
     ("rediss://redis/0?ssl_pass%77ord=hunter2", "hunter2"),  # redis-py decodes the name
     ("rediss://user:pw@redis/0?ssl_password=hunter2", "hunter2"),
     ("unix:///run/r.sock?ssl_password=hun#ter2&db=0", "hun#ter2"),
-    ("redis://u:pw@redis/0?token=se@cret", "cret"),
-    ("redis://redis/0?password=a;b", ";b"),  # parse_qsl splits on '&' only: the value is a;b  # an '@' in a value is no user part's end
+    ("redis://u:pw@redis/0?token=se@cret", "cret"),  # an '@' in a value is no user part's end
+    ("redis://redis/0?password=a;b", ";b"),  # parse_qsl splits on '&' only: the value is a;b
     ("redis+sentinel://:pw@s1:26379,s2/main?sentinel_password=a@b@c", "b@c"),
 ])
 def test_every_secret_bearing_query_parameter_is_masked(url, secret):
