@@ -8,7 +8,6 @@ audit id the clients were given in it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from collections import Counter
 
@@ -36,16 +35,7 @@ rules:
 CUT = "kind: lit"  # the writer stopped inside a value: line 4 names an unknown kind
 
 
-def _events(log: str, event: str) -> list[dict]:
-    return [line for line in map(_json, log.splitlines()) if line.get("event", "").startswith(event)]
-
-
-def _json(line: str) -> dict:
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return {}
-    return obj if isinstance(obj, dict) else {}
+REJECTED = "rule pack rejected; the previous one stays in force"
 
 
 def test_a_rules_file_truncated_mid_write(tmp_path, default_model_dir):
@@ -57,20 +47,20 @@ def test_a_rules_file_truncated_mid_write(tmp_path, default_model_dir):
                           env={"FINSIEVE_CACHE_TTL_S": "0", "FINSIEVE_TENANT_REQUESTS_PER_S": "0",
                                "FINSIEVE_TENANT_TOKENS_PER_MIN": "0"})
     try:
-        loaded_at_start = len(_events(server.log(), "rule pack loaded"))
+        loaded_at_start = len(server.records("rule pack loaded"))
         with Clients(server.target, server.key("app")) as clients:
             assert wait_for(lambda: clients.ok_since(0) >= 3, 120, 0.1), clients.outcomes
             head = HOUSE[:HOUSE.index(CUT) + len(CUT)]
             with (rules / "house.yaml").open("w") as f:  # half written, not closed
                 f.write(head)
                 f.flush()
-                assert wait_for(lambda: len(_events(server.log(), "rule pack rejected")) >= 1, 60, 0.1)
+                assert wait_for(lambda: len(server.records(REJECTED)) >= 1, 60, 0.1)
                 answered = len(clients.outcomes)
                 # Still answered, under the pack in force, while the half file is there.
                 assert wait_for(lambda: clients.ok_since(0) >= answered + 3, 120, 0.1)
                 f.write(HOUSE[len(head):])
             # Both watchers (the engine's and the gateway's) take the completed file.
-            assert wait_for(lambda: len(_events(server.log(), "rule pack loaded"))
+            assert wait_for(lambda: len(server.records("rule pack loaded"))
                             >= loaded_at_start + 2, 60, 0.1)
             answered = len(clients.outcomes)
             assert wait_for(lambda: clients.ok_since(0) >= answered + 3, 120, 0.1)

@@ -26,6 +26,9 @@ from finsieve.v1 import engine_pb2, engine_pb2_grpc
 SESSION_LIMITS = "tenants:\n  t-tokens:\n    tokens_per_min: 10\n"
 
 
+_JSON = json.JSONDecoder()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,12 +62,28 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def records(self, event: str) -> list[dict]:
+        """Its JSON log records whose event is `event`. The gateway and its officers' child
+        share the log file, and a line once held two records (CI, 2026-12-06; not
+        reproduced): every object of a line is read."""
+        found = []
+        for line in self.log().splitlines():
+            at = line.find("{")
+            while 0 <= at < len(line):
+                try:
+                    record, end = _JSON.raw_decode(line, at)
+                except ValueError:
+                    break
+                if isinstance(record, dict) and record.get("event") == event:
+                    found.append(record)
+                at = line.find("{", end)
+        return found
+
     def key(self, role: str) -> str:
         return dev_key(self.target, role)
 
     def valkey_port(self) -> int:
-        return next(json.loads(line)["port"] for line in self.log().splitlines()
-                    if '"embedded valkey started"' in line)
+        return self.records("embedded valkey started")[0]["port"]
 
     def valkey_password(self) -> str:
         """From the embedded Valkey's 0600 config file: what an operator on the machine can
