@@ -20,11 +20,16 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 HIDDEN = ("Cc", "Cf", "Zl", "Zp")
 
 
+def visible(value: object) -> str:
+    """The value with hidden characters shown as \\uXXXX (a web page, a table)."""
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in HIDDEN else c
+                   for c in str(value))
+
+
 def cell(value: object) -> str:
     """The value with hidden characters made visible, and `'` in front when a spreadsheet
     would take it for a formula."""
-    text = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in HIDDEN else c
-                   for c in str(value))
+    text = visible(value)
     return "'" + text if _formula(text) else text
 
 
