@@ -133,3 +133,20 @@ def console_trail(server: Server) -> dict[str, str]:
     from support.console import answered
 
     return answered(server)
+
+
+@pytest.fixture
+def chromium():
+    """Debian's Chromium (`make chromium` installs it), driven by Playwright: nothing
+    downloads a browser; each launch gets a fresh temporary profile (--user-data-dir). Per
+    test: Playwright's sync API holds an event loop while it runs, and other tests call
+    asyncio.run."""
+    os.environ["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
+    from playwright.sync_api import sync_playwright
+
+    from support.browser import CHROMIUM, CHROMIUM_FLAGS
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()

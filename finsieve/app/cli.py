@@ -20,8 +20,8 @@ from finsieve.app.cli_keys import add_commands as add_key_commands
 from finsieve.app.cli_keys import print_table
 from finsieve.app.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
 from finsieve.app.client import CredentialError
-from finsieve.display import write_csv
 from finsieve.config import Settings, settings_table
+from finsieve.display import write_csv
 from finsieve.errors import ConfigError, ModelLoadError
 from finsieve.valkey import RedisUnavailable
 
