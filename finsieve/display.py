@@ -22,8 +22,11 @@ HIDDEN = ("Cc", "Cf", "Zl", "Zp")
 
 def visible(value: object) -> str:
     """The value with hidden characters shown as \\uXXXX (a web page, a table)."""
+    text = str(value)
+    if text.isprintable():  # the common case, checked in C: no Cc, Cf, Zl or Zp character
+        return text
     return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in HIDDEN else c
-                   for c in str(value))
+                   for c in text)
 
 
 def cell(value: object) -> str:

@@ -40,7 +40,7 @@ from finsieve.policy.schema import ACTIONS
 from finsieve.policy.sources import PackLimits
 
 from ..access import stamped
-from ..audit import AuditError, AuditLog, Filters, index_key, parse, record_key, sealed_ok, stored
+from ..audit import AuditError, AuditLog, Filters, index_key, parse, record_key, stored
 from ..audit_service import FINISH_REASONS, typed
 from ..keys import KeyStore
 from ..rules import GatewayPolicy
@@ -149,17 +149,18 @@ Handler = Callable[["Pages", Request, Session], Awaitable[Response]]
 def officer_page(handler: Handler) -> Callable[[Pages, Request], Awaitable[Response]]:
     """A page behind the login: no session, the login form; its problems as a page."""
     async def endpoint(self: Pages, request: Request) -> Response:
+        session = None
         try:
             session = await self.session_of(request)
             if session is None:
                 return RedirectResponse("/login", 303)
             return await handler(self, request, session)
         except Problem as p:
-            return self.page(request, "error.html", None, status=p.status, message=p.message)
+            return self.page(request, "error.html", session, status=p.status, message=p.message)
         except (AuditError, redis.RedisError, CheckUnavailable, OSError) as e:
             log.error("console page refused: the audit trail is unavailable", path=request.url.path,
                       error=type(e).__name__)
-            return self.page(request, "error.html", None, status=503,
+            return self.page(request, "error.html", session, status=503,
                              message="The audit trail is unavailable, so nothing was read or changed. "
                                      "Try again shortly.")
     return endpoint
@@ -173,11 +174,11 @@ class Pages:
     # -- plumbing ------------------------------------------------------------------------
 
     def page(self, request: Request, template: str, session: Session | None, status: int = 200,
-             headers: dict[str, str] | None = None, **context: Any) -> HTMLResponse:
+             **context: Any) -> HTMLResponse:
         html = self.env.get_template(template).render(
             officer=session.officer if session else None, csrf=session.csrf if session else "",
             path=request.url.path, **context)
-        return HTMLResponse(html, status, headers=headers)
+        return HTMLResponse(html, status)
 
     async def session_of(self, request: Request) -> Session | None:
         token = request.cookies.get(SESSION_COOKIE, "")
@@ -266,12 +267,13 @@ class Pages:
         form = form_of(request.query_params, (*SEARCH_FIELDS, "page_size", "after"))
         return form, search_filters(form, session.officer, self.c.audit.key)
 
-    async def _rows(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _rows(self, records: list[dict[str, Any]],
+                    sealed: dict[int, bool] | None = None) -> list[dict[str, Any]]:
+        """Table rows: each record with its review status (and its seal, when `sealed`)."""
         ids = [trail.audit_id_of(r) for r in records]
         decided = await reviews.statuses(self.c.audit, ids)
-        key = self.c.audit.key
-        return [_row(rec, audit_id, status, key) for rec, audit_id, status in zip(records, ids, decided,
-                                                                                   strict=True)]
+        return [_row(rec, audit_id, status, (sealed or {}).get(rec["seq"], False))
+                for rec, audit_id, status in zip(records, ids, decided, strict=True)]
 
     @officer_page
     async def search(self, request: Request, session: Session) -> Response:
@@ -284,7 +286,7 @@ class Pages:
                                "after": form.get("after")})
             result = await trail.read_page(self.c.audit, [filters.index()], filters, size, after,
                                            self.c.deadline(), PAGE_BYTES, trail.is_request)
-            rows = await self._rows(result.records)
+            rows = await self._rows(result.records, result.sealed)
         query = {k: v for k, v in form.values.items() if v and k != "after"}
         return self.page(request, "search.html", session, status=400 if form.errors else 200,
                          form=form, rows=rows, result=result, query=query,
@@ -402,7 +404,8 @@ class Pages:
             while len(rows) < QUEUE_PAGE:
                 result = await trail.read_page(self.c.audit, keys, filters, QUEUE_PAGE - len(rows), after,
                                                deadline, PAGE_BYTES, trail.is_request)
-                rows += [r for r in await self._rows(result.records) if r["review"] in reviews.OPEN]
+                rows += [r for r in await self._rows(result.records, result.sealed)
+                         if r["review"] in reviews.OPEN]
                 if result.more is None or result.stopped:
                     break
                 after = result.more
@@ -608,19 +611,19 @@ def _date(form: Form, name: str) -> int:
     return when
 
 
-def _row(rec: dict[str, Any], audit_id: int, review: dict[str, Any] | None, key: bytes) -> dict[str, Any]:
+def _row(rec: dict[str, Any], audit_id: int, review: dict[str, Any] | None, sealed: bool) -> dict[str, Any]:
+    """A table row, its text made ready here (a page may hold 10,000)."""
     return {"seq": rec["seq"], "audit_id": audit_id, "ts_ms": rec.get("ts_ms", 0),
-            "tenant": rec.get("tenant", ""), "user": rec.get("user", ""),
-            "request_id": rec.get("request_id", ""),
+            "time": iso(rec.get("ts_ms", 0)), "tenant": visible(rec.get("tenant", "")),
+            "user": visible(rec.get("user", "")), "request_id": rec.get("request_id", ""),
             "rules": [(str(i.get("rule_id", "")), str(i.get("action", "")))
                       for i in rec.get("interventions") or [] if isinstance(i, dict)],
             "finish_reason": rec.get("finish_reason", ""), "cache_hit": bool(rec.get("cache_hit")),
-            "review": str(review.get("decision", "")) if review else "",
-            "sealed": sealed_ok(key, rec)}
+            "review": str(review.get("decision", "")) if review else "", "sealed": sealed}
 
 
 def _csv_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {**row, "time": iso(row["ts_ms"]), "rules": " ".join(f"{r}:{a}" for r, a in row["rules"]),
+    return {**row, "rules": " ".join(f"{r}:{a}" for r, a in row["rules"]),
             "cache_hit": "yes" if row["cache_hit"] else "no"}
 
 

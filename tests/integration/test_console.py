@@ -6,15 +6,19 @@ draft pack. The same pages in a real browser, with axe-core: test_console_browse
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import hashlib
 import io
 import json
+import ssl
 import subprocess
 import sys
 import time
 import zipfile
 from pathlib import Path
+
+import httpx
 
 from gateway.audit import AuditLog, Filters, sealed_ok
 from gateway.console import holds
@@ -24,6 +28,7 @@ from support.console import (
     LOGIN,
     SESSION,
     ConsoleClient,
+    console_alone,
     cookie_of,
     head_seq,
     new_key,
@@ -254,8 +259,6 @@ def test_the_rescan_applies_a_draft_read_only_and_names_a_bad_one(server, consol
 def test_a_legal_hold_keeps_its_records_from_retention_until_released(valkey):
     """On a Valkey of its own: records written at chosen times, a hold on the older ones,
     retention's cut honouring it, then its release."""
-    import asyncio
-
     import redis.asyncio as redis
 
     from finsieve.auth import Principal
@@ -282,3 +285,38 @@ def test_a_legal_hold_keeps_its_records_from_retention_until_released(valkey):
     assert cut == 1_003_000  # the hold's first record's time
     assert trimmed_held == 3  # records at 1_000_000..1_002_000 only
     assert trimmed_after == 7  # released: the rest of the old records go
+
+
+def test_the_console_serves_tls_with_the_listeners_certificates_and_mtls_when_asked(valkey, certs,
+                                                                                   tmp_path):
+    """The console's own listener: TLS with the certificate every listener serves, never
+    plaintext; with a client CA, a page only for a client certificate the CA signed."""
+    tls = {"tls_cert": str(certs / "server.pem"), "tls_key": str(certs / "server.key")}
+    trusted = str(certs / "ca.pem")
+
+    async def get(port: int, client_cert: str = "") -> str:
+        context = ssl.create_default_context(cafile=trusted)
+        if client_cert:
+            context.load_cert_chain(str(certs / f"{client_cert}.pem"), str(certs / f"{client_cert}.key"))
+        try:
+            async with httpx.AsyncClient(verify=context) as https:
+                return str((await https.get(f"https://127.0.0.1:{port}/login")).status_code)
+        except httpx.HTTPError:
+            return "refused"
+
+    async def plaintext(port: int) -> str:
+        try:
+            async with httpx.AsyncClient() as plain:
+                await plain.get(f"http://127.0.0.1:{port}/login")
+            return "served"
+        except httpx.HTTPError:
+            return "refused"
+
+    async def go() -> list[str]:
+        async with console_alone(valkey, tmp_path, **tls) as port:
+            seen = [await get(port), await plaintext(port)]
+        async with console_alone(valkey, tmp_path, **tls, tls_client_ca=trusted) as port:
+            seen += [await get(port), await get(port, "client"), await get(port, "stranger")]
+        return seen
+
+    assert asyncio.run(go()) == ["200", "refused", "refused", "200", "refused"]

@@ -6,8 +6,11 @@ client carries them itself, exactly as the server set them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 
@@ -120,3 +123,30 @@ def records_after(server, seq: int) -> list[dict]:
     with sync_redis.Redis(port=server.valkey_port(), password=server.valkey_password()) as client:
         raws = client.mget([record_key(s) for s in range(seq + 1, last + 1)]) if last > seq else []
     return [json.loads(r) for r in raws if r]
+
+
+@contextlib.asynccontextmanager
+async def console_alone(valkey, state: Path, **settings) -> AsyncIterator[int]:
+    """The console's own listener in this process, on a Valkey of its own, with `settings`
+    (a free port by default): its port."""
+    import redis.asyncio as redis
+
+    from finsieve.config import Settings
+    from gateway.audit import AuditLog
+    from gateway.console.app import Console
+    from gateway.console.server import start
+    from gateway.console.sessions import Sessions
+    from gateway.keys import KeyStore
+
+    from support.servers import free_port
+
+    config = Settings.load({"console_port": free_port(), "state_dir": str(state), **settings}, env={})
+    client = redis.Redis(port=valkey.port, password=valkey.password)
+    keys = KeyStore(client, b"s" * 32, 5.0, 100)
+    running = await start(Console(config, AuditLog(client, b"k" * 32), keys, Sessions(client, keys, 900),
+                                  state / "anchors", None))
+    try:
+        yield running.port
+    finally:
+        await running.stop()
+        await client.aclose()

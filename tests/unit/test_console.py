@@ -181,3 +181,17 @@ def test_a_diff_names_added_removed_and_changed_fields():
 ])
 def test_a_form_from_another_site_is_told_apart(headers, same):
     assert _same_origin(headers, {"scheme": "http"}) is same
+
+
+def test_a_seal_checked_on_the_stored_bytes_agrees_with_the_trails():
+    from gateway.audit import sealed_ok
+    from gateway.console.trail import sealed_bytes
+
+    rec = {"seq": 9, "prev": "ab" * 32, "type": "request", "ts_ms": 5, "app": "x", "delivered": '"hmac":"',
+           "metadata": {"hmac": "c" * 64}, "tenant": "t"}
+    rec["hmac"] = seal(KEY, rec)
+    raw = stored(rec).encode()
+    assert sealed_bytes(KEY, raw) and sealed_ok(KEY, rec)
+    assert not sealed_bytes(KEY, raw.replace(b'"tenant":"t"', b'"tenant":"u"'))
+    assert not sealed_bytes(b"another-key-of-at-least-32-bytes!!", raw)
+    assert not sealed_bytes(KEY, json.dumps(rec, sort_keys=True).encode())  # not as the trail stores it
