@@ -101,7 +101,13 @@ async def login(http: httpx.AsyncClient, key: str) -> dict[str, str]:
 
 
 async def parts(pages: console_app.Pages, log: AuditLog, f: Filters, size: int) -> dict[str, float]:
-    """One page's parts, in-process: read, decorate (statuses, seals), render."""
+    """One page's parts, in-process: read, decorate (statuses, seals), render (as a page is
+    built: the cycle collector paused)."""
+    with console_app.cycle_collection_paused():
+        return await _parts(pages, log, f, size)
+
+
+async def _parts(pages: console_app.Pages, log: AuditLog, f: Filters, size: int) -> dict[str, float]:
     t0 = time.perf_counter()
     page = await trail.read_page(log, [f.index()], f, size, None, time.monotonic() + 60,
                                  console_app.PAGE_BYTES, trail.is_request)

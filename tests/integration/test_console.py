@@ -320,3 +320,12 @@ def test_the_console_serves_tls_with_the_listeners_certificates_and_mtls_when_as
         return seen
 
     assert asyncio.run(go()) == ["200", "refused", "refused", "200", "refused"]
+
+
+def test_an_address_naming_no_record_is_a_404_page(server):
+    client = officer(server)
+    for path in ("/conversation/0", "/conversation/" + "9" * 5000, "/conversation/x1",
+                 "/conversation/99999999999999"):
+        response = client.get(path)
+        assert response.status_code == 404 and "Traceback" not in response.text, path
+    assert client.post("/holds/" + "9" * 5000 + "/release", {"reason": "r"}).status_code == 404
