@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -90,7 +91,16 @@ def answered(server) -> dict[str, str]:
                 s.send(r)
             done = await s.until_done(*(r.request_id for r in requests.values()))
         return {name: done[r.request_id][-1].finished.audit_id for name, r in requests.items()}
-    return asyncio.run(go())
+    audit_ids = asyncio.run(go())
+    # The gateway writes a request's full record just after its last event reaches the client.
+    for audit_id in audit_ids.values():
+        for _ in range(3000):
+            if any(r["type"] == "request" for r in trail(server, "audit_id", audit_id)):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"no request record for audit id {audit_id}")
+    return audit_ids
 
 
 def trail(server, field: str, value: str) -> list[dict]:
