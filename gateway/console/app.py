@@ -15,6 +15,7 @@ import csv
 import datetime as dt
 import gc
 import io
+import json
 import secrets
 import tempfile
 import time
@@ -299,6 +300,7 @@ class Pages:
     async def search(self, request: Request, session: Session) -> Response:
         form, filters = self._search_form(request, session)
         size, after = page_size(form), cursor(form)
+        form.values["page_size"] = str(size)  # shown selected
         result, rows = trail.Page(), []
         if not form.errors:
             await self.viewed(session, "console_search", filters.tenant,
@@ -314,17 +316,22 @@ class Pages:
                          finish_options=[("", "any"), *((f, f.lower()) for f in FINISH_REASONS)],
                          size_options=[(str(n), f"{n:,}") for n in PAGE_SIZES])
 
-    async def _export_pages(self, filters: Filters) -> AsyncIterator[list[dict[str, Any]]]:
-        """The search's records, newest first, a page at a time, bounded in count and time."""
+    async def _export_pages(self, filters: Filters, cut: list[str]) -> AsyncIterator[list[dict[str, Any]]]:
+        """The search's records, newest first, a page at a time, bounded in count and time;
+        when a bound stops it before the oldest, `cut` says where."""
         left, after = self.c.settings.console_export_max, None
         deadline = time.monotonic() + self.c.settings.console_query_s * 10
-        while left > 0:
+        while True:
             page = await trail.read_page(self.c.audit, [filters.index()], filters, min(left, 1000),
                                          after, deadline, PAGE_BYTES, trail.is_request)
             if page.records:
                 yield page.records
             left -= len(page.records)
-            if page.more is None or time.monotonic() > deadline:
+            if page.more is None:
+                return
+            if left <= 0 or time.monotonic() > deadline:
+                cut.append(f"the export stopped at its bound (FINSIEVE_CONSOLE_EXPORT_MAX records, or "
+                           f"its time) at {iso(page.more.score)}: export again with until before that")
                 return
             after = page.more
 
@@ -336,13 +343,19 @@ class Pages:
                           {"filters": asdict(filters), "format": fmt})
 
         async def lines() -> AsyncIterator[bytes]:
+            cut: list[str] = []
             if fmt == "csv":
                 yield _csv([dict(zip(CSV_COLUMNS, CSV_COLUMNS, strict=True))])
-            async for records in self._export_pages(filters):
+            async for records in self._export_pages(filters, cut):
                 if fmt == "csv":
                     yield _csv(_csv_row(r) for r in await self._rows(records))
                 else:
                     yield "".join(stored(r) + "\n" for r in records).encode()
+            for why in cut:  # never a silent end: the last line says the export is incomplete
+                if fmt == "csv":
+                    yield _csv([{c: why if c == "seq" else "" for c in CSV_COLUMNS}])
+                else:
+                    yield json.dumps({"incomplete": why}).encode() + b"\n"
 
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
         kind = "text/csv; charset=utf-8" if fmt == "csv" else "application/x-ndjson"

@@ -332,3 +332,28 @@ def test_an_address_naming_no_record_is_a_404_page(server):
         response = client.get(path)
         assert response.status_code == 404 and "Traceback" not in response.text, path
     assert client.post("/holds/" + "9" * 5000 + "/release", {"reason": "r"}).status_code == 404
+
+
+def test_an_export_cut_short_by_its_bound_says_so_in_its_last_line(valkey, tmp_path):
+    import redis.asyncio as redis
+
+    from gateway.keys import KeyStore
+
+    def export(port: int, key: str) -> list[str]:
+        web = ConsoleClient(f"http://127.0.0.1:{port}")
+        assert web.login(key).status_code == 303
+        return web.get("/export.jsonl").text.splitlines()
+
+    async def go() -> list[str]:
+        client = redis.Redis(port=valkey.port, password=valkey.password)
+        log = AuditLog(client, b"k" * 32)
+        for user in ("u1", "u2", "u3"):
+            await log.append("request", {"tenant": "t", "user": user, "finish_reason": "STOP"})
+        key, _ = await KeyStore(client, b"s" * 32, 5.0, 100).create("t", "officer", "o", all_tenants=True)
+        await client.aclose()
+        async with console_alone(valkey, tmp_path, console_export_max=2) as port:
+            return await asyncio.to_thread(export, port, key)
+
+    lines = [json.loads(line) for line in asyncio.run(go())]
+    assert [r.get("user") for r in lines[:2]] == ["u3", "u2"]  # newest first
+    assert "stopped at its bound" in lines[2]["incomplete"] and len(lines) == 3
