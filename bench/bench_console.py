@@ -13,8 +13,9 @@ newest first: every tenant (the time index, which holds the started records too)
 tenant, and one rule. Each page is also timed in parts, in-process: reading the records,
 their review statuses and seals, and rendering the HTML. Prints a table and writes
 bench/results/console/<date>-page-10000.json. Besides wall time, each request's CPU time
-(this process and Valkey's, from /proc): on a machine shared with other work the wall time
-includes their turns on the cores; the CPU time is the page's own work.
+(this process and Valkey's, from /proc), and the machine's load average: on a machine shared
+with other work the wall time includes their turns on the cores; the CPU time is the page's
+own work.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ async def run(args: argparse.Namespace) -> dict:
             pages = console_app.Pages(console, console_app.environment())
             base = f"http://127.0.0.1:{running.port}"
             results = []
+            load_before = os.getloadavg()
             async with httpx.AsyncClient(base_url=base, timeout=120) as http:
                 cookie = await login(http, key)
                 cases = [("every tenant", {}, Filters()), ("one tenant", {"tenant": "bank-1"},
@@ -171,6 +173,7 @@ async def run(args: argparse.Namespace) -> dict:
                                         "min_s": min(wall), "cpu_median_s": statistics.median(cpu),
                                         "runs": args.runs,
                                         **{k: round(v, 4) for k, v in split.items() if k != "rows"}})
+            load_after = os.getloadavg()
             await running.stop()
             records = await client.zcard(index_key("kind", "review")) + 2 * args.conversations
             await client.aclose()
@@ -178,6 +181,7 @@ async def run(args: argparse.Namespace) -> dict:
             valkey.stop()
     return {"target_s": TARGET_S, "conversations": args.conversations, "records": records,
             "fill_s": round(filled_s, 1), "pages": results,
+            "load_average_1_5_15": {"before": load_before, "after": load_after},
             "page_10000_under_target": all(r["median_s"] < TARGET_S and r["cpu_median_s"] < TARGET_S
                                            for r in results if r["page_size"] == 10000)}
 
@@ -192,7 +196,8 @@ def main() -> int:
                         "its client in one process, Valkey beside them, all on loopback")
     result = asyncio.run(run(args))
     print(f"{result['records']} records ({args.conversations} conversations); page wall time "
-          f"request to last byte, {args.runs} runs")
+          f"request to last byte, {args.runs} runs; load average (1, 5, 15 min) before: "
+          f"{result['load_average_1_5_15']['before']}")
     print(f"{'case':14} {'page':>6} {'rows':>6} {'KB':>6} {'median s':>9} {'min s':>6} {'max s':>6} "
           f"{'cpu s':>6} {'read':>6} {'status':>7} {'rows':>6} {'render':>7}")
     for r in result["pages"]:
