@@ -172,11 +172,13 @@ def test_a_review_is_an_append_only_record_shown_with_the_conversation(server, c
     page = client.get(f"/conversation/{audit_id}").text
     assert "never delivered" in page and "Chain: ✓ verified" in page
     assert "guaranteed returns" in page.split("Never delivered:")[1][:200]  # what the model tried
-    assert client.get("/queue").text.count(f'href="/conversation/{audit_id}"') == 1
-    for decision in ("escalated", "reviewed"):
+    queued = []
+    for decision in ("escalated", "reviewed"):  # escalated stays in the queue, reviewed leaves it
         response = client.post(f"/conversation/{audit_id}/review",
                                {"decision": decision, "comment": f"{decision}: card 4111 1111 1111 1111"})
         assert response.status_code == 303
+        queued.append(client.get("/queue").text.count(f'href="/conversation/{audit_id}"'))
+    assert queued == [1, 0]
     reviews = trail(server, "subject", audit_id)
     assert [r["decision"] for r in reviews][-2:] == ["escalated", "reviewed"]
     last = reviews[-1]
@@ -184,7 +186,6 @@ def test_a_review_is_an_append_only_record_shown_with_the_conversation(server, c
     assert "4111 1111 1111 1111" not in last["comment"]  # masked by the rules, like any stored text
     page = client.get(f"/conversation/{audit_id}").text
     assert page.count("escalated: card") == 1 and page.count("reviewed: card") == 1
-    assert f'href="/conversation/{audit_id}"' not in client.get("/queue").text
     bad = client.post(f"/conversation/{audit_id}/review", {"decision": "approved", "comment": ""})
     assert bad.status_code == 400 and "decision" in bad.text
 
