@@ -114,8 +114,11 @@ class _Index:
         return self.buf[0] if self.buf else None
 
     def close(self) -> None:
+        """Drop the batch asked for ahead (read, its failure too: nobody waits for it)."""
         if self.next is not None:
             self.next.cancel()
+            if self.next.done() and not self.next.cancelled():
+                self.next.exception()
 
     async def _ask(self) -> list[bytes]:
         return cast("list[bytes]", await self.fetch(
