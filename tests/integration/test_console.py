@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.audit import AuditLog, Filters, sealed_ok
 from gateway.console import holds
@@ -358,3 +359,16 @@ def test_an_export_cut_short_by_its_bound_says_so_in_its_last_line(valkey, tmp_p
     lines = [json.loads(line) for line in asyncio.run(go())]
     assert [r.get("user") for r in lines[:2]] == ["u3", "u2"]  # newest first
     assert "stopped at its bound" in lines[2]["incomplete"] and len(lines) == 3
+
+
+def test_a_console_port_in_use_stops_start_up_naming_the_setting():
+    import socket
+
+    from finsieve.errors import ConfigError
+    from gateway.console.server import _listen
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        refused = rf"^FINSIEVE_CONSOLE_PORT {port} on 127\.0\.0\.1: cannot listen"
+        with pytest.raises(ConfigError, match=refused):
+            _listen("127.0.0.1", port)
