@@ -71,7 +71,6 @@ class Officers:
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
-        self.console_port = 0  # known once ready(); 0: the console is off
 
     async def ready(self, timeout: float = 60.0) -> int:
         """Its listener's port once it serves. Raises OfficersError."""
@@ -86,7 +85,6 @@ class Officers:
         except ValueError:
             reply = {}
         if isinstance(reply, dict) and isinstance(reply.get("port"), int):
-            self.console_port = int(reply.get("console_port") or 0)
             return reply["port"]
         self.stop()
         why = reply.get("error") if isinstance(reply, dict) else None
@@ -164,7 +162,7 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
     trail = AdminTrail(audit, settings.admin_backlog_max)
     trail.start()
     console = await _start_console(settings, audit, keys, client, trail) if settings.console_port else None
-    print(json.dumps({"port": running.port, "console_port": console.port if console else 0}), flush=True)
+    print(json.dumps({"port": running.port}), flush=True)
     log.info("audit service serving", address=f"{settings.audit_host}:{running.port}",
              pid=os.getpid(), nice=os.nice(0))
     await trail.watch(running.set_serving)  # NOT_SERVING while a trim's record waits

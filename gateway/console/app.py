@@ -400,7 +400,12 @@ class Pages:
         delivered = str(rec.get("delivered", ""))
         notes = conversation.notes_of(rec.get("interventions") or [], "output")
         versions = await rulebook.timeline(self.c.audit)
-        active = [h for h in await holds.holds(self.c.audit) if h.released is None and h.covers(rec)]
+        try:
+            active: list[holds.Hold] | None = [h for h in await holds.holds(self.c.audit)
+                                               if h.released is None and h.covers(rec)]
+        except AuditError as e:
+            log.error("legal holds not readable", error=str(e))
+            active = None  # the page says so
         return self.page(
             request, "conversation.html", session, rec=rec, audit_id=audit_id,
             pieces=conversation.pieces(delivered, notes), notes=notes, length=len(delivered),
@@ -408,7 +413,7 @@ class Pages:
             chain=await status_of(self.c.audit, rec, self.c.anchor_dir),
             history=await reviews.history(self.c.audit, audit_id), decisions=reviews.DECISIONS,
             archived={v.version for v in versions}, holds=active,
-            in_force=rulebook.at(versions, rec.get("ts_ms", 0)), errors={}, values={})
+            in_force=rulebook.at(versions, rec.get("ts_ms", 0)))
 
     @officer_page
     async def review(self, request: Request, session: Session) -> Response:
