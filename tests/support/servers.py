@@ -58,6 +58,7 @@ class Server:
     log_path: Path
     state: Path
     metrics: str = ""  # its Prometheus endpoint, where the test asked for one
+    console_url: str = ""  # the officers' web console, when started with one
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -104,16 +105,19 @@ class Server:
 
 
 def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
-                 ready: bool = True, credentials=None) -> Server:
-    """`finsieve serve` on free ports; waits for health (over TLS with `credentials`)."""
+                 ready: bool = True, credentials=None, console: bool = False) -> Server:
+    """`finsieve serve` on free ports; waits for health (over TLS with `credentials`).
+    `console`: with the officers' web console on a port of its own."""
     port, audit_port = free_port(), free_port()
     log_path = tmp / f"serve-{port}.log"
+    console_args = ["--console-port", str(free_port())] if console else []
     cmd = [sys.executable, "-m", "finsieve.app.cli", "serve", "--port", str(port),
-           "--audit-port", str(audit_port), "--state-dir", str(tmp / "state"), *args]
+           "--audit-port", str(audit_port), "--state-dir", str(tmp / "state"), *console_args, *args]
     full_env = {**os.environ, "FINSIEVE_LOG_FORMAT": "json", **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state")
+    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state",
+                    f"http://127.0.0.1:{console_args[1]}" if console else "")
     _STATE_DIRS[server.target] = _STATE_DIRS[server.audit_target] = server.state
     if ready and not asyncio.run(wait_ready(server.target, 120, credentials)):
         server.stop(signal.SIGKILL)
