@@ -34,7 +34,7 @@ from finsieve.grpc_server import Service, server_options, start_server
 from finsieve.policy.reload import PolicyHolder, RulesWatcher
 from finsieve.policy.sources import PackLimits
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc
-from finsieve.valkey import ERRORS, connect, die_with_parent
+from finsieve.valkey import ERRORS, Client, connect, die_with_parent
 
 from .access import AdminTrail
 from .admin_service import AdminService
@@ -184,7 +184,7 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
     await client.aclose()
 
 
-async def _start_console(settings: Settings, audit: AuditLog, keys: KeyStore, client: redis.Redis,
+async def _start_console(settings: Settings, audit: AuditLog, keys: KeyStore, client: Client,
                          trail: AdminTrail) -> RunningConsole:
     """The officers' web console, and the archive of the rule packs it shows (the rules
     directory the gateway shares with its engines, watched here too)."""
@@ -225,7 +225,7 @@ async def _retain(audit: AuditLog, trail: AdminTrail, days: float) -> None:
         try:
             # Legal holds first: what an active hold covers, and all after it, is kept.
             trimmed = await audit.trim(await retention_cut(audit, int((time.time() - days * 86400) * 1000)))
-        except (AuditError, *ERRORS) as e:
+        except AuditError as e:
             log.error("audit trim failed", error=str(e))
             trimmed = 0
         except ERRORS as e:

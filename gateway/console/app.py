@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import jinja2
-import redis.asyncio as redis
 import structlog
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
@@ -41,6 +40,7 @@ from finsieve.display import cell, visible
 from finsieve.policy.reload import PolicyHolder
 from finsieve.policy.schema import ACTIONS
 from finsieve.policy.sources import PackLimits
+from finsieve.valkey import ERRORS
 
 from ..access import stamped
 from ..audit import AuditError, AuditLog, Filters, index_key, parse, record_key, stored
@@ -65,6 +65,8 @@ from .http_guard import Guard
 from .sessions import LOGIN_COOKIE, ROLE, SESSION_COOKIE, Session, Sessions, cookie_header
 
 log = structlog.get_logger(__name__)
+# The trail, the key store or Redis cannot be read or written: the page says so (503).
+TRAIL_DOWN: tuple[type[Exception], ...] = (AuditError, CheckUnavailable, *ERRORS)
 
 HERE = Path(__file__).parent
 FLAGGED_ACTIONS = ACTIONS  # a conversation any rule acted in is flagged for review
@@ -178,7 +180,7 @@ def officer_page(handler: Handler) -> Callable[[Pages, Request], Awaitable[Respo
                 return await handler(self, request, session)
         except Problem as p:
             return self.page(request, "error.html", session, status=p.status, message=p.message)
-        except (AuditError, redis.RedisError, CheckUnavailable, OSError) as e:
+        except TRAIL_DOWN as e:
             log.error("console page refused: the audit trail is unavailable", path=request.url.path,
                       error=type(e).__name__)
             return self.page(request, "error.html", session, status=503,
@@ -265,7 +267,7 @@ class Pages:
             await self.c.audit.append("access", stamped("access", officer, {
                 "event": "console_login", "tenant": "" if officer.all_tenants else officer.tenant}))
             token, _ = await self.c.sessions.open(officer)
-        except (AuditError, redis.RedisError):
+        except TRAIL_DOWN:
             return await self.login_form(request, "The audit trail is unavailable, so no session was "
                                                   "opened; try again shortly.", 503)
         response = RedirectResponse("/search", 303)

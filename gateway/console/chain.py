@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as redis
-
+from finsieve.valkey import ERRORS
 from gateway.anchors import newest
 from gateway.audit import AuditError, AuditLog, head_sig, sealed_ok
+
+TRAIL_DOWN: tuple[type[Exception], ...] = (AuditError, *ERRORS)
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ChainStatus:
 async def status_of(log: AuditLog, rec: dict[str, Any], anchor_dir: Path) -> ChainStatus:
     try:
         problem = await _problem(log, rec)
-    except (AuditError, redis.RedisError) as e:
+    except TRAIL_DOWN as e:
         return ChainStatus(False, f"not checked: {e}")
     if problem:
         return ChainStatus(False, problem)

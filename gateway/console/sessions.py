@@ -17,9 +17,8 @@ import secrets
 import time
 from dataclasses import asdict, dataclass
 
-import redis.asyncio as redis
-
 from finsieve.auth import Principal
+from finsieve.valkey import Client
 
 from ..keys import KeyStore
 
@@ -55,7 +54,7 @@ def cookie_header(name: str, value: str, max_age: int) -> str:
 
 
 class Sessions:
-    def __init__(self, client: redis.Redis, keys: KeyStore, lifetime_s: int) -> None:
+    def __init__(self, client: Client, keys: KeyStore, lifetime_s: int) -> None:
         self.redis = client
         self.keys = keys
         self.lifetime_s = lifetime_s
