@@ -42,7 +42,7 @@ def run(*argv: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    assert KUBECTL.exists(), f"{KUBECTL} is missing: `make setup` installs it"
+    assert KUBECTL.exists(), f"{KUBECTL} is missing: `make test` installs it (make .tools/bin/kubectl)"
     out = tmp_path_factory.mktemp("rendered")
     files = {}
     for overlay in OVERLAYS:

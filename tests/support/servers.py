@@ -117,7 +117,7 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state",
-                    f"http://127.0.0.1:{console_args[1]}" if console else "")
+                    console_url=f"http://127.0.0.1:{console_args[1]}" if console else "")
     _STATE_DIRS[server.target] = _STATE_DIRS[server.audit_target] = server.state
     if ready and not asyncio.run(wait_ready(server.target, 120, credentials)):
         server.stop(signal.SIGKILL)
