@@ -1,5 +1,5 @@
 """deploy/ checked offline, as a platform team's CI would: every kustomize overlay renders
-(kubectl from `make setup`) and validates against the Kubernetes API's schemas, compose.yaml
+(kubectl from `make test`) and validates against the Kubernetes API's schemas, compose.yaml
 against the Compose spec, the Dockerfiles pass hadolint; then the properties the manifests
 promise: non-root read-only containers, probes that speak the listeners' TLS, grace periods
 longer than the drain, NetworkPolicies that keep engines and Valkey to the gateways, secrets
