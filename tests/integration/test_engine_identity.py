@@ -127,7 +127,10 @@ async def _generate_once(target: str, credentials: Credentials) -> tuple[grpc.St
         call = engine_pb2_grpc.EngineStub(channel).Generate(timeout=120)
         text = ""
         try:
-            await call.write(request)
+            try:
+                await call.write(request)
+            except asyncio.InvalidStateError:  # the server ended the call before the write:
+                return await call.code(), await call.details() or ""  # the status it gave
             async for step in call:
                 for event in step.events:
                     text += event.delta.text
