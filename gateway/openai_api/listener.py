@@ -1,13 +1,13 @@
 """The HTTP door's server: uvicorn (h11) on the gateway's own event loop, bounded.
 
-uvicorn parses HTTP and bounds a request's line and headers (h11's incomplete-event
-limit); what it leaves open is bounded here, in a subclass of its h11 protocol: a
-connection must send a request's head within the read timeout (uvicorn waits for ever), a
-connection whose socket takes no byte for the write timeout is dropped (uvicorn waits for a
-reader for ever), and its own refusals of malformed HTTP are in OpenAI's error shape. Open
-connections beyond the bound get a 503 in that shape too (`_Limited`, in place of uvicorn's
-plain-text `limit_concurrency`). The gateway's signal handlers, not uvicorn's, decide when
-the server stops; uvicorn's log lines go to the structured log.
+uvicorn parses HTTP; what it leaves open is bounded here, in a subclass of its h11
+protocol: a connection must send a request's head within the read timeout (uvicorn waits
+for ever once a byte came), a connection whose socket takes no byte for the write timeout
+is dropped (uvicorn waits for a reader for ever), and uvicorn's refusals of malformed HTTP
+are in OpenAI's error shape. A head over the bound (h11 bounds only one still incomplete)
+and connections beyond the bound are refused in that shape too (`_Limited`, in place of
+uvicorn's plain-text `limit_concurrency`). The gateway's signal handlers, not uvicorn's,
+decide when the server stops; uvicorn's log lines go to the structured log.
 """
 
 from __future__ import annotations
@@ -53,13 +53,36 @@ class _BoundedH11(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stalled: asyncio.TimerHandle | None = None
+        self._head: asyncio.TimerHandle | None = None  # waiting for a request's whole head
+        self._head_after: object = None  # the request cycle before the awaited head
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        # The keep-alive timer, which a request's complete head clears (uvicorn arms it only
-        # after a response): a connection that sends no full head in time is closed.
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.BOUNDS.read_timeout_s, self.timeout_keep_alive_handler)
+        self._await_head()
+
+    def on_response_complete(self) -> None:
+        self._await_head()  # first: a pipelined head already received is taken just below
+        super().on_response_complete()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._head is not None and self.cycle is not self._head_after:  # a head came
+            self._head.cancel()
+            self._head = None
+
+    def _await_head(self) -> None:
+        """A request's line and headers must arrive within the read timeout: uvicorn's own
+        keep-alive timer stops at the first byte, so a head sent a byte at a time would hold
+        the connection for ever."""
+        if self._head is not None:
+            self._head.cancel()
+        self._head_after = self.cycle
+        self._head = self.loop.call_later(self.BOUNDS.read_timeout_s, self._no_head)
+
+    def _no_head(self) -> None:
+        self._head = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -72,6 +95,9 @@ class _BoundedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._unstall()
+        if self._head is not None:
+            self._head.cancel()
+            self._head = None
         super().connection_lost(exc)
 
     def _unstall(self) -> None:
@@ -92,13 +118,11 @@ class _BoundedH11(H11Protocol):
         """uvicorn's answer to HTTP that h11 cannot parse, in OpenAI's shape: 431 for a head
         over the bound, 400 otherwise; the connection is closed."""
         if len(self.conn.trailing_data[0]) > self.BOUNDS.max_header_bytes:
-            status, error = 431, ApiError(431, f"the request line and headers exceed "
-                                          f"{self.BOUNDS.max_header_bytes} bytes "
-                                          "(FINSIEVE_HTTP_MAX_HEADER_BYTES)")
+            error = _too_large_head(self.BOUNDS.max_header_bytes)
         else:
-            status, error = 400, ApiError(400, "malformed HTTP request")
+            error = ApiError(400, "malformed HTTP request")
         body = error.body()
-        for event in (h11.Response(status_code=status, headers=[
+        for event in (h11.Response(status_code=error.status, headers=[
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]), h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event) or b"")
@@ -106,24 +130,38 @@ class _BoundedH11(H11Protocol):
 
 
 class _Limited:
-    """Open connections and requests beyond the bound get 503 and their connection closes
-    (uvicorn's limit_concurrency, in OpenAI's shape)."""
+    """Open connections and requests beyond the bound get 503 (uvicorn's limit_concurrency,
+    in OpenAI's shape); a request line and headers over the bound 431 (h11 bounds only a
+    head still incomplete: one that arrives whole in a read passes it). Either closes the
+    connection."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, bounds: ListenerBounds) -> None:
         self.app = app
-        self.limit = limit
+        self.bounds = bounds
         self.state: ServerState | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        s = self.state
-        if scope["type"] == "http" and s is not None and (
-                len(s.connections) > self.limit or len(s.tasks) > self.limit):
-            response = error_response(ApiError(
-                503, f"more than {self.limit} connections are open (FINSIEVE_HTTP_MAX_CONNECTIONS); "
-                "retry later", retry_after_ms=1000), {"connection": "close"})
-            await response(scope, receive, send)
+        if scope["type"] == "http" and (error := self._refusal(scope)) is not None:
+            await error_response(error, {"connection": "close"})(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> ApiError | None:
+        s, b = self.state, self.bounds
+        if s is not None and (len(s.connections) > b.max_connections
+                              or len(s.tasks) > b.max_connections):
+            return ApiError(503, f"more than {b.max_connections} connections are open "
+                            "(FINSIEVE_HTTP_MAX_CONNECTIONS); retry later", retry_after_ms=1000)
+        head = len(scope["raw_path"]) + len(scope["query_string"]) + sum(
+            len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > b.max_header_bytes:
+            return _too_large_head(b.max_header_bytes)
+        return None
+
+
+def _too_large_head(limit: int) -> ApiError:
+    return ApiError(431, f"the request line and headers exceed {limit} bytes "
+                    "(FINSIEVE_HTTP_MAX_HEADER_BYTES)")
 
 
 class _Server(uvicorn.Server):
@@ -139,7 +177,7 @@ class HttpListener:
                  bounds: ListenerBounds) -> None:
         self.host, self.port = host, port
         self.tls = context is not None
-        self._limited = _Limited(app, bounds.max_connections)
+        self._limited = _Limited(app, bounds)
         protocol = type("BoundedH11", (_BoundedH11,), {"BOUNDS": bounds})
         self._config = uvicorn.Config(
             self._limited, http=protocol, ws="none", lifespan="off", interface="asgi3",
