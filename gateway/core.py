@@ -2,7 +2,7 @@
 OpenAI-compatible HTTP endpoint in openai_api/): admission, authorization, validation,
 the response cache, the audit trail, engine submission, relay, moves and completion.
 
-A door opens a `Session` for its client (a gRPC Chat session, or one HTTP request): its
+A door opens a `Session` for its client (a gRPC Chat stream, or one HTTP request): its
 caller, its connection, an outbox of events and its requests in flight by the client's id.
 The door hands requests to `start`, sends what the outbox holds, and `close`s the session
 when its client is gone; the pipeline knows nothing of the wire.
@@ -100,7 +100,7 @@ class _InFlight:
 
 @dataclass(eq=False)
 class Session:
-    """One client's channel to the pipeline (a Chat session, an HTTP request): its caller,
+    """One client's channel to the pipeline (a Chat stream, an HTTP request): its caller,
     connection, outbox, and requests in flight by client id."""
 
     id: str  # names its tenant stream lease in Redis

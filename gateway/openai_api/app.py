@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +164,8 @@ class OpenAIDoor:
             # The first events decide the status: an error before the answer is an HTTP one.
             first = await self._taken(session, answer, gone, self.bounds.sse_keepalive_s)
             streaming = True
-            return EventStream(self._sse(session, answer, first), SSE_HEADERS)
+            return EventStream(self._sse(session, answer, first), SSE_HEADERS,
+                               lambda: self.core.close(session))
         except ApiError as e:
             return error_response(e)
         except _Gone:
@@ -204,45 +205,51 @@ class OpenAIDoor:
     async def _sse(self, session: Session, answer: Answer, first: list[bytes]
                    ) -> AsyncGenerator[bytes, None]:
         """The answer's chunks, several events to a write when they wait together; an SSE
-        comment while nothing comes (queued, a long prefill)."""
-        try:
-            if first:
-                yield b"".join(first)
-            while answer.finished is None:
+        comment while nothing comes (queued, a long prefill). The response closes the
+        session, however it ends."""
+        if first:
+            yield b"".join(first)
+        while answer.finished is None:
+            try:
+                async with asyncio.timeout(self.bounds.sse_keepalive_s):
+                    batch = await session.out.take()
+            except TimeoutError:
+                yield KEEPALIVE
+                continue
+            if session.out.overflowed:  # more events waited than a client may leave unread
+                HTTP_ENDED.labels("overflow").inc()
+                log.warning("http stream ended", reason="overflow")
+                return
+            out: list[bytes] = []
+            for event in batch:
+                if event is None:  # the session's end: after the answer's last event
+                    break
                 try:
-                    async with asyncio.timeout(self.bounds.sse_keepalive_s):
-                        batch = await session.out.take()
-                except TimeoutError:
-                    yield KEEPALIVE
-                    continue
-                if session.out.overflowed:  # more events waited than a client may leave unread
-                    HTTP_ENDED.labels("overflow").inc()
-                    log.warning("http stream ended", reason="overflow")
+                    answer.add(event)
+                except ApiError as e:
+                    yield b"".join([*out, error_chunk(e)])
                     return
-                out: list[bytes] = []
-                for event in batch:
-                    if event is None:  # the session's end: after the answer's last event
-                        break
-                    try:
-                        answer.add(event)
-                    except ApiError as e:
-                        yield b"".join([*out, error_chunk(e)])
-                        return
-                    out.append(answer.chunk(event))
-                yield b"".join(out)
-                if None in batch:
-                    return
-        finally:  # no await: this runs when a disconnect cancelled the response
-            self.core.close(session)
+                out.append(answer.chunk(event))
+            yield b"".join(out)
+            if None in batch:
+                return
 
 
 class EventStream(StreamingResponse):
-    """A StreamingResponse that closes its generator however it ends (a disconnect cancels
-    it mid-write): the session's close, in the generator's finally, runs at once."""
+    """A StreamingResponse that runs `on_close` however it ends, at once: a disconnect
+    cancels it mid-write, or before its generator even started. No await in on_close."""
 
-    def __init__(self, body: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], headers: dict[str, str],
+                 on_close: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream", headers=headers)
         self._body = body
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
     async def stream_response(self, send: Send) -> None:
         async with contextlib.aclosing(self._body):

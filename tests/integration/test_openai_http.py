@@ -405,7 +405,7 @@ def _fuzz(tight_server, examples: int) -> None:
 
 
 def test_fuzz_http_bodies(tight_server):
-    _fuzz(tight_server, 150)
+    _fuzz(tight_server, 100)
 
 
 @pytest.mark.slow
