@@ -12,8 +12,9 @@ does); HTTP: httpx with a connection per stream, `stream: true`, the SSE parsed 
 Rounds alternate the door that goes first (gRPC, HTTP, then HTTP, gRPC, ...), so that drift on
 a shared machine falls on both. A row: tokens/s delivered (completion tokens of the round's
 requests / the round's wall time), TTFT p50/p99 (request sent -> first text), over all rounds;
-the ratio is HTTP's over gRPC's. The client runs in this process, on the same cores as the
-server: each door's client cost is in its figures.
+the ratio is HTTP's over gRPC's, of the totals and the median of each round's pair (the two
+doors measured back to back, which cancels slower drift best). The client runs in this
+process, on the same cores as the server: each door's client cost is in its figures.
 
 Prints a table and writes bench/results/http/<date>-cpu.json (`--out`). Bounded: every wait
 has a deadline, and the server is stopped when the bench ends (also on an error).
@@ -171,7 +172,11 @@ async def measure(args: argparse.Namespace, target: str, base: str, key: str) ->
                 print(f"  {streams:>2} streams, round {i + 1}, {door}: "
                       f"{r.tokens / r.seconds:.1f} tokens/s", flush=True)
         grpc_row, http_row = summary(by_door["grpc"]), summary(by_door["http"])
+        paired = sorted((h.tokens / h.seconds) / (g.tokens / g.seconds)
+                        for g, h in zip(by_door["grpc"], by_door["http"], strict=True))
         rows.append({"streams": streams, "grpc": grpc_row, "http": http_row,
+                     "http_over_grpc_tokens_per_s_by_round": [round(r, 3) for r in paired],
+                     "http_over_grpc_tokens_per_s_median_round": round(pct(paired, 0.5) or 0, 3),
                      "http_over_grpc_tokens_per_s": round(
                          float(http_row["tokens_per_s"] or 0) / float(grpc_row["tokens_per_s"] or 1), 3),
                      "http_over_grpc_ttft_p50": round(
@@ -187,7 +192,8 @@ def table(rows: list[dict]) -> str:
             r = row[door]
             lines.append(f"| {row['streams']} | {door} | {r['tokens_per_s']} | {r['ttft_p50_ms']} | "
                          f"{r['ttft_p99_ms']} | {r['requests']} |")
-        lines.append(f"| {row['streams']} | HTTP / gRPC | {row['http_over_grpc_tokens_per_s']} | "
+        lines.append(f"| {row['streams']} | HTTP / gRPC | {row['http_over_grpc_tokens_per_s']} "
+                     f"(rounds: median {row['http_over_grpc_tokens_per_s_median_round']}) | "
                      f"{row['http_over_grpc_ttft_p50']} | | |")
     return "\n".join(lines)
 
