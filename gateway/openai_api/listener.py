@@ -176,7 +176,6 @@ class HttpListener:
     def __init__(self, app: ASGIApp, host: str, port: int, context: ssl.SSLContext | None,
                  bounds: ListenerBounds) -> None:
         self.host, self.port = host, port
-        self.tls = context is not None
         self._limited = _Limited(app, bounds)
         protocol = type("BoundedH11", (_BoundedH11,), {"BOUNDS": bounds})
         self._config = uvicorn.Config(
