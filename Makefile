@@ -12,8 +12,12 @@ QUESTION ?= In two sentences: what is diversification, and why does it reduce ri
 MAX_TOKENS ?= 200
 TOOLS := .tools
 KUBECTL := $(TOOLS)/bin/kubectl
+# The officers' console is tested in Debian's Chromium, driven by Playwright: no browser is
+# ever downloaded (Playwright's own download is switched off for every command here).
+CHROMIUM := /usr/bin/chromium
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: setup run test test-unit test-integration test-slow test-chaos test-gpu bench plots lint docs proto clean deploy-check deploy-constraints compose-env
+.PHONY: setup run test test-unit test-integration test-slow test-chaos test-gpu test-browser chromium bench plots lint docs proto clean deploy-check deploy-constraints compose-env
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
@@ -50,15 +54,31 @@ run: setup
 	trap 'kill $$pid 2>/dev/null; wait $$pid' EXIT; \
 	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 --max-tokens $(MAX_TOKENS) "$(QUESTION)"
 
-# The tests also render deploy/k8s with kubectl (node and npm install it; make run needs neither).
-test: setup $(KUBECTL)
+# The tests also render deploy/k8s with kubectl (node and npm install it; make run needs neither),
+# and open the officers' console in Debian's Chromium (one fast test; the rest: make test-browser).
+test: setup $(KUBECTL) $(CHROMIUM)
 	$(BIN)/pytest -q
+
+# Debian's chromium package, when /usr/bin/chromium is absent (nothing runs when it is there).
+# apt-get needs root: CI runs as root on Debian; elsewhere install the package yourself.
+chromium: $(CHROMIUM)
+$(CHROMIUM):
+	@if [ "$$(id -u)" != 0 ]; then echo "make: $(CHROMIUM) is missing and installing Debian's" \
+		"chromium needs root: run 'sudo apt-get install chromium', then make again" >&2; exit 1; fi
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+	test -x $@
+
+# The officers' console end to end in a real browser, every page checked by axe-core;
+# screenshots of each page land in build/console-screenshots/.
+test-browser: setup $(CHROMIUM)
+	$(BIN)/pytest -q -m browser tests/integration/test_console_browser.py
 
 # No process, server or network: a minute on two cores, its two workers one a core.
 test-unit: setup
 	$(BIN)/pytest -q -n 2 --dist worksteal tests/unit
 
-test-integration: setup $(KUBECTL)
+test-integration: setup $(KUBECTL) $(CHROMIUM)
 	$(BIN)/pytest -q tests/integration
 
 test-slow: setup
@@ -76,6 +96,7 @@ bench: setup
 	$(BIN)/python bench/bench_rules.py
 	$(BIN)/python bench/bench_enforcement.py
 	$(BIN)/python bench/bench_audit.py
+	$(BIN)/python bench/bench_console.py
 
 # docs/img/ is drawn from bench/results/ (tests/unit/test_bench_results.py checks the bytes).
 plots: $(VENV)/.installed

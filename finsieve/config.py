@@ -132,6 +132,16 @@ class Settings:
     audit_page_bytes: int = _setting(
         4 << 20, "largest page of records an officer's query or export returns at once")
     audit_nice: int = _setting(10, "CPU niceness of the officers' process (0-19)")
+    console_port: int = _setting(
+        0, "port of the officers' web console (role all|gateway), served by the officers' process "
+        "on FINSIEVE_AUDIT_HOST with the listeners' TLS; 0 = off")
+    console_session_s: int = _setting(
+        900, "an officer's console session ends this long after login (60 to 86400 seconds)")
+    console_export_max: int = _setting(
+        100000, "most records one console export, regulator package or re-scan reads")
+    console_query_s: float = _setting(
+        10.0, "longest one console page, export or re-scan reads the trail (seconds); a page cut "
+        "short says where it stopped and links to the rest")
     audit_max_calls: int = _setting(
         100, "calls open at once on the officers' port (gRPC maximum_concurrent_rpcs); more "
         "get RESOURCE_EXHAUSTED")
@@ -312,6 +322,12 @@ class Settings:
         if not 64 << 10 <= self.audit_page_bytes <= 6 << 20:
             raise ConfigError("FINSIEVE_AUDIT_PAGE_BYTES: must be between 65536 and 6291456 "
                               "(a page must fit a gRPC message)")
+        if not 0 <= self.console_port <= 65535:
+            raise ConfigError("FINSIEVE_CONSOLE_PORT: must be between 0 (off) and 65535")
+        if not 60 <= self.console_session_s <= 86400:
+            raise ConfigError("FINSIEVE_CONSOLE_SESSION_S: must be between 60 and 86400")
+        if self.console_export_max <= 0 or self.console_query_s <= 0:
+            raise ConfigError("FINSIEVE_CONSOLE_EXPORT_MAX / _QUERY_S: must be positive")
         if not 0 <= self.audit_nice <= 19:
             raise ConfigError("FINSIEVE_AUDIT_NICE: must be between 0 and 19")
         for name in ("max_connection_idle_s", "max_connection_age_s"):

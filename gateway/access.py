@@ -34,13 +34,21 @@ WRITE_BACKOFF = supervise.Backoff(0.1, 5.0)  # a trail back up is written to wit
 FLUSH_AT_SHUTDOWN_S = 5.0
 
 
+def stamped(kind: str, who: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    """`body` naming who acted; an access record is also indexed by its reader (`kind`
+    read), so the console finds every officer's reads."""
+    by: dict[str, Any] = {"by": who.key_id, "by_tenant": who.tenant, "by_role": who.role}
+    if kind == "access":
+        by |= {"kind": "read", "reader": who.key_id}
+    return {**by, **body}
+
+
 async def record(audit: AuditLog, context: grpc.aio.ServicerContext, kind: str, who: Principal,
                  body: dict[str, Any]) -> int:
     """Append an `admin` or `access` record naming the caller; abort UNAVAILABLE if it
     cannot be written. `tenant` in body is the tenant acted on (indexed for queries)."""
     try:
-        return await audit.append(kind, {"by": who.key_id, "by_tenant": who.tenant,
-                                         "by_role": who.role, **body})
+        return await audit.append(kind, stamped(kind, who, body))
     except AuditError as e:
         log.error("audit trail unavailable; privileged call refused", action=body.get("event"),
                   error=str(e))

@@ -49,6 +49,10 @@ CHECKPOINT = f"{TAG}:checkpoint"
 INDEX_PREFIX = f"{TAG}:idx:"
 INDEXED = ("tenant", "user", "rule_id", "action", "finish_reason", "request_id", "audit_id", "match")
 HASHED_IDS = ("user", "request_id")  # chosen by clients: indexed by their keyed hash
+# Indexed fields that no record written before the officers' console holds, so a chain
+# written before verifies unchanged: `kind` (review, hold, rules, read), `subject` (the
+# audit id a review is about), `reader` (the key of an access record).
+LATER_INDEXED = ("kind", "subject", "reader")
 FETCH = 100  # records per Redis round trip when reading
 
 APPEND_SECONDS = Histogram("finsieve_audit_append_seconds", "Audit record appends",
@@ -159,6 +163,7 @@ def index_values(record: dict[str, Any]) -> list[tuple[str, str]]:
         if isinstance(i, dict):  # proto JSON omits an empty rule_id
             values += [(f, str(i[f])) for f in ("rule_id", "action") if i.get(f)]
     values += [("match", str(h)) for h in record.get("match_hashes") or []]
+    values += [(f, str(record[f])) for f in LATER_INDEXED if record.get(f)]
     return sorted(set(values))
 
 

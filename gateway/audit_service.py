@@ -55,6 +55,23 @@ async def abort_invalid(context: grpc.aio.ServicerContext, field: str, message: 
     await context.abort_with_status(rpc_status.to_status(status))
 
 
+def typed(key: bytes, body: dict[str, Any], hashes: set[str]) -> dict[str, Any]:
+    """`body` as an access record holds what an officer typed (see `AuditService._read`):
+    a value of a TYPED field that could be a card number becomes its keyed hash (added to
+    `hashes`). Times are the server's own checks' business; user, request id and match are
+    keyed hashes already."""
+    out: dict[str, Any] = {}
+    for k, v in body.items():
+        if isinstance(v, dict):
+            v = typed(key, v, hashes)
+        elif k in TYPED and sum(c.isdigit() for c in str(v)) >= HASHED_FROM_DIGITS:
+            h = value_hash(key, str(v))
+            hashes.add(h)
+            v = f"[hash:{h}]"
+        out[k] = v
+    return out
+
+
 def _record(rec: dict) -> audit_pb2.AuditRecord:
     return audit_pb2.AuditRecord(seq=rec["seq"], json=stored(rec))
 
@@ -109,24 +126,10 @@ class AuditService(audit_pb2_grpc.AuditServiceServicer):
         Reading an index never writes one: only this record's own indexes are written."""
         hashes: set[str] = set()
         body = {"event": event, "tenant": tenant, **details}
-        body = self._typed(body, hashes)
+        body = typed(self.log.key, body, hashes)
         if hashes:
             body["match_hashes"] = sorted(hashes)
         await record(self.log, context, "access", caller(), body)
-
-    def _typed(self, body: dict[str, Any], hashes: set[str]) -> dict[str, Any]:
-        """`body` as an access record holds it (see `_read`). Times are the server's own
-        checks' business; user, request id and match are keyed hashes already."""
-        out: dict[str, Any] = {}
-        for k, v in body.items():
-            if isinstance(v, dict):
-                v = self._typed(v, hashes)
-            elif k in TYPED and sum(c.isdigit() for c in str(v)) >= HASHED_FROM_DIGITS:
-                h = value_hash(self.log.key, str(v))
-                hashes.add(h)
-                v = f"[hash:{h}]"
-            out[k] = v
-        return out
 
     async def Query(self, request: audit_pb2.AuditQuery,
                     context: grpc.aio.ServicerContext) -> audit_pb2.AuditPage:

@@ -1,5 +1,6 @@
-"""The officers' process: the AuditService and the AdminService on their own listener, event
-loop, Redis connection and a lower CPU priority (`FINSIEVE_AUDIT_NICE`), so that reading,
+"""The officers' process: the AuditService and the AdminService on their own listener (and the
+web console on its own port, when FINSIEVE_CONSOLE_PORT is set), event loop, Redis connection
+and a lower CPU priority (`FINSIEVE_AUDIT_NICE`), so that reading,
 parsing and exporting large records never competes with chat streams for the gateway's
 event loop (nor, with the niceness, for the CPU). Retention runs here too, and records each
 trim in the trail; what this process appends it anchors in its own file.
@@ -30,8 +31,10 @@ from finsieve import logs, supervise, tls
 from finsieve.auth import AuthInterceptor, roles_for
 from finsieve.config import Settings
 from finsieve.grpc_server import Service, server_options, start_server
+from finsieve.policy.reload import PolicyHolder, RulesWatcher
+from finsieve.policy.sources import PackLimits
 from finsieve.v1 import admin_pb2, admin_pb2_grpc, audit_pb2, audit_pb2_grpc
-from finsieve.valkey import ERRORS, connect, die_with_parent
+from finsieve.valkey import ERRORS, Client, connect, die_with_parent
 
 from .access import AdminTrail
 from .admin_service import AdminService
@@ -39,9 +42,16 @@ from .anchors import Anchoring, AnchorWriter
 from .audit import AuditError, AuditLog
 from .audit_recovery import Checking, audit_log
 from .audit_service import AuditService
+from .console import rulebook
+from .console import server as console_server
+from .console.app import Console
+from .console.holds import retention_cut
+from .console.server import RunningConsole
+from .console.sessions import Sessions
 from .identity import ClientAuthenticator
 from .keys import KeyStore
 from .limits import tenant_limiter
+from .rules import compile_gateway_policy
 
 log = structlog.get_logger(__name__)
 
@@ -151,16 +161,19 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
         credentials=tls.server_credentials(settings),
         interceptors=[AuthInterceptor(auth, roles_for({audit_name: "officer",
                                                        admin_name: "admin"}))])
+    trail = AdminTrail(audit, settings.admin_backlog_max)
+    trail.start()
+    console = await _start_console(settings, audit, keys, client, trail) if settings.console_port else None
     print(json.dumps({"port": running.port}), flush=True)
     log.info("audit service serving", address=f"{settings.audit_host}:{running.port}",
              pid=os.getpid(), nice=os.nice(0))
-    trail = AdminTrail(audit, settings.admin_backlog_max)
-    trail.start()
     await trail.watch(running.set_serving)  # NOT_SERVING while a trim's record waits
     retention = supervise.start("audit-retention",
                                 lambda: _retain(audit, trail, settings.audit_retention_days))
     await stop.wait()
     retention.cancel()
+    if console is not None:
+        await console.stop()
     await trail.watch(None)
     await running.set_serving(False)
     await trail.close()
@@ -169,6 +182,30 @@ async def _serve(settings: Settings, secrets: Secrets) -> None:
     await checking.stop()
     await audit.aclose()
     await client.aclose()
+
+
+async def _start_console(settings: Settings, audit: AuditLog, keys: KeyStore, client: Client,
+                         trail: AdminTrail) -> RunningConsole:
+    """The officers' web console, and the archive of the rule packs it shows (the rules
+    directory the gateway shares with its engines, watched here too)."""
+    holder = None
+    if settings.rules:
+        limits = PackLimits.of(settings)
+        policy, version = compile_gateway_policy(Path(settings.rules), audit.key, limits)
+        holder = PolicyHolder(policy, version)
+        watcher = RulesWatcher(Path(settings.rules), holder,
+                               lambda d: compile_gateway_policy(d, audit.key, limits),
+                               settings.rules_debounce_ms)
+        watcher.start()  # a daemon thread: it ends with the process
+    console = await console_server.start(Console(
+        settings, audit, keys, Sessions(client, keys, settings.console_session_s), anchor_dir(settings),
+        holder))
+    if holder is not None:
+        console.tasks.append(supervise.start("rules-archive",
+                                             lambda: rulebook.keep_archived(audit, trail, holder)))
+    log.info("console serving", address=f"{settings.audit_host}:{console.port}",
+             tls=bool(settings.tls_cert))
+    return console
 
 
 def _until_parent_gone(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -180,12 +217,14 @@ def _until_parent_gone(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> 
 
 
 async def _retain(audit: AuditLog, trail: AdminTrail, days: float) -> None:
-    """Once an hour: trim records older than `days`, by sequence (0: keep everything). A
-    trim that fails is tried at the next hour; the record of one that is done is written
-    until it lands (the trail's backlog)."""
+    """Once an hour: trim records older than `days`, by sequence (0: keep everything), up to
+    the oldest record a legal hold keeps. A trim that fails (or whose holds cannot be read)
+    is tried at the next hour; the record of one that is done is written until it lands
+    (the trail's backlog)."""
     while days > 0:
         try:
-            trimmed = await audit.trim(int((time.time() - days * 86400) * 1000))
+            # Legal holds first: what an active hold covers, and all after it, is kept.
+            trimmed = await audit.trim(await retention_cut(audit, int((time.time() - days * 86400) * 1000)))
         except AuditError as e:
             log.error("audit trim failed", error=str(e))
             trimmed = 0

@@ -55,11 +55,13 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[Server]:
-    """One full server (gateway + engine + embedded Valkey) for the session."""
+    """One full server (gateway + engine + embedded Valkey, and the officers' console) for
+    the session."""
     tmp = tmp_path_factory.mktemp("server")
     (tmp / "limits.yaml").write_text(SESSION_LIMITS)
     srv = start_server(tmp, "--model", str(default_model_dir), "--metrics-port", str(free_port()),
-                       "--limits-file", str(tmp / "limits.yaml"), "--http-port", str(free_port()))
+                       "--limits-file", str(tmp / "limits.yaml"),
+                       "--http-port", str(free_port()), console=True)
     yield srv
     srv.stop()
 
@@ -123,3 +125,30 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory,
                        env={**TIGHT_ENV, "FINSIEVE_ENGINE_SECRET_FILE": str(secret)})
     yield TightServer(srv, rules, f"http://127.0.0.1:{metrics}/metrics")
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def console_trail(server: Server) -> dict[str, str]:
+    """Real requests on the session server for the console's tests, from a user of their
+    own: an answer whose promised returns the rules stopped (a rollback), and a message
+    holding a card number (redacted). Their audit ids, by name."""
+    from support.console import answered
+
+    return answered(server)
+
+
+@pytest.fixture
+def chromium():
+    """Debian's Chromium (`make chromium` installs it), driven by Playwright: nothing
+    downloads a browser; each launch gets a fresh temporary profile (--user-data-dir). Per
+    test: Playwright's sync API holds an event loop while it runs, and other tests call
+    asyncio.run."""
+    os.environ["PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD"] = "1"
+    from playwright.sync_api import sync_playwright
+
+    from support.browser import CHROMIUM, CHROMIUM_FLAGS
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()

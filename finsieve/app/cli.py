@@ -20,8 +20,8 @@ from finsieve.app.cli_keys import add_commands as add_key_commands
 from finsieve.app.cli_keys import print_table
 from finsieve.app.cli_rpc import OFFICERS_TARGET, add_credential_args, call, credentials, transport
 from finsieve.app.client import CredentialError
-from finsieve.app.display import write_csv
 from finsieve.config import Settings, settings_table
+from finsieve.display import write_csv
 from finsieve.errors import ConfigError, ModelLoadError
 from finsieve.valkey import RedisUnavailable
 
@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--http-host", help="address of the HTTP endpoint (loopback by default)")
     s.add_argument("--audit-host")
     s.add_argument("--audit-port", type=int, help="the officers' AuditService (loopback by default)")
+    s.add_argument("--console-port", type=int, help="the officers' web console on --audit-host (0: off)")
     s.add_argument("--engine", dest="engines", action="append", metavar="ADDR",
                    help="engine host:port (role gateway; repeat for several)")
     s.add_argument("--engines-file", metavar="FILE",

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from finsieve.app.cli_rpc import OFFICERS_TARGET, add_credential_args, call, duration_s
-from finsieve.app.display import cell, write_csv
 from finsieve.config import Settings
+from finsieve.display import cell, write_csv
 from finsieve.errors import ConfigError
 from finsieve.v1 import admin_pb2, admin_pb2_grpc
 

@@ -1,5 +1,5 @@
 """deploy/ checked offline, as a platform team's CI would: every kustomize overlay renders
-(kubectl from `make setup`) and validates against the Kubernetes API's schemas, compose.yaml
+(kubectl from `make test`) and validates against the Kubernetes API's schemas, compose.yaml
 against the Compose spec, the Dockerfiles pass hadolint; then the properties the manifests
 promise: non-root read-only containers, probes that speak the listeners' TLS, grace periods
 longer than the drain, NetworkPolicies that keep engines and Valkey to the gateways, secrets
@@ -42,7 +42,7 @@ def run(*argv: str | Path, cwd: Path = REPO) -> subprocess.CompletedProcess[str]
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    assert KUBECTL.exists(), f"{KUBECTL} is missing: `make setup` installs it"
+    assert KUBECTL.exists(), f"{KUBECTL} is missing: `make test` installs it (make .tools/bin/kubectl)"
     out = tmp_path_factory.mktemp("rendered")
     files = {}
     for overlay in OVERLAYS:

@@ -19,8 +19,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from finsieve.app.client import Credentials, chat_request
-from finsieve.app.display import cell
 from finsieve.config import Settings
+from finsieve.display import cell
 from finsieve.errors import ConfigError
 from finsieve.secretfiles import read_secret
 from finsieve.tls import check_transport

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as redis
 
 from finsieve.app.client import chat_request
-from finsieve.app.display import cell, write_csv
+from finsieve.display import cell, write_csv
 from finsieve.valkey import redact
 from gateway.audit import TIME, AuditLog, index_key, index_member
 from gateway.audit_verify import verify

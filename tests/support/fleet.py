@@ -112,8 +112,7 @@ def generated_tokens(engine: Server) -> float:
 
 def log_lines(server: Server, event: str) -> list[dict]:
     """The server's JSON log lines whose event is `event`."""
-    return [line for line in (json.loads(s) for s in server.log().splitlines() if s.startswith("{"))
-            if line.get("event") == event]
+    return server.records(event)
 
 
 # -- clients ------------------------------------------------------------------------------------

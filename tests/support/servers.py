@@ -28,6 +28,9 @@ SESSION_LIMITS = ("tenants:\n  t-tokens:\n    tokens_per_min: 10\n"
                   "  t-http-flood:\n    requests_per_s: 0.01\n")
 
 
+_JSON = json.JSONDecoder()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,17 +60,34 @@ class Server:
     log_path: Path
     state: Path
     metrics: str = ""  # its Prometheus endpoint, where the test asked for one
+    console_url: str = ""  # the officers' web console, when started with one
     http: str = ""  # the base URL of its OpenAI-compatible endpoint, where it serves one
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def records(self, event: str) -> list[dict]:
+        """Its JSON log records whose event is `event`. The gateway and its officers' child
+        share the log file, and a line once held two records (CI, 2026-12-06; not
+        reproduced): every object of a line is read."""
+        found = []
+        for line in self.log().splitlines():
+            at = line.find("{")
+            while 0 <= at < len(line):
+                try:
+                    record, end = _JSON.raw_decode(line, at)
+                except ValueError:
+                    break
+                if isinstance(record, dict) and record.get("event") == event:
+                    found.append(record)
+                at = line.find("{", end)
+        return found
+
     def key(self, role: str) -> str:
         return dev_key(self.target, role)
 
     def valkey_port(self) -> int:
-        return next(json.loads(line)["port"] for line in self.log().splitlines()
-                    if '"embedded valkey started"' in line)
+        return self.records("embedded valkey started")[0]["port"]
 
     def valkey_password(self) -> str:
         """From the embedded Valkey's 0600 config file: what an operator on the machine can
@@ -88,16 +108,19 @@ class Server:
 
 
 def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
-                 ready: bool = True, credentials=None) -> Server:
-    """`finsieve serve` on free ports; waits for health (over TLS with `credentials`)."""
+                 ready: bool = True, credentials=None, console: bool = False) -> Server:
+    """`finsieve serve` on free ports; waits for health (over TLS with `credentials`).
+    `console`: with the officers' web console on a port of its own."""
     port, audit_port = free_port(), free_port()
     log_path = tmp / f"serve-{port}.log"
+    console_args = ["--console-port", str(free_port())] if console else []
     cmd = [sys.executable, "-m", "finsieve.app.cli", "serve", "--port", str(port),
-           "--audit-port", str(audit_port), "--state-dir", str(tmp / "state"), *args]
+           "--audit-port", str(audit_port), "--state-dir", str(tmp / "state"), *console_args, *args]
     full_env = {**os.environ, "FINSIEVE_LOG_FORMAT": "json", **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state")
+    server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state",
+                    console_url=f"http://127.0.0.1:{console_args[1]}" if console else "")
     if "--http-port" in args:
         scheme = "https" if "--tls-cert" in args else "http"
         server.http = f"{scheme}://127.0.0.1:{args[args.index('--http-port') + 1]}/v1"

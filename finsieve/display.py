@@ -20,11 +20,19 @@ FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 HIDDEN = ("Cc", "Cf", "Zl", "Zp")
 
 
+def visible(value: object) -> str:
+    """The value with hidden characters shown as \\uXXXX (a web page, a table)."""
+    text = str(value)
+    if text.isprintable():  # the common case, checked in C: no Cc, Cf, Zl or Zp character
+        return text
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in HIDDEN else c
+                   for c in text)
+
+
 def cell(value: object) -> str:
     """The value with hidden characters made visible, and `'` in front when a spreadsheet
     would take it for a formula."""
-    text = "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in HIDDEN else c
-                   for c in str(value))
+    text = visible(value)
     return "'" + text if _formula(text) else text
 
 
