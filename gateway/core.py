@@ -68,6 +68,9 @@ RETRY_AFTER_MS = 1000  # hint with RESOURCE_EXHAUSTED
 _CLIENT_KEY = re.compile(r"\[(?!\d+\])[^\]]*\]?")  # a bracketed field part that is no index
 AUDIT_SERIAL_S = 10.0  # after a failed audit write, records are written before engines start
 MAX_MOVES = 2  # times one request is run again on another engine after its engine was lost
+STREAMS_ENDED = Counter("finsieve_streams_ended", "Streams the gateway ended: gRPC Chat streams "
+                        "(slow_reader, overflow), HTTP answers (http_slow_reader, http_overflow)",
+                        ["reason"])
 MOVES = Counter("finsieve_gateway_requests_moved", "Requests run again on another engine after "
                 "theirs was lost before anything reached the client")
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]

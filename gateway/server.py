@@ -13,19 +13,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from prometheus_client import Counter
 
 from finsieve import supervise
 from finsieve.auth import caller
 from finsieve.errors import RequestError, error_event, invalid, retry_status
 from finsieve.v1 import chat_pb2, chat_pb2_grpc
 
-from .core import GatewayCore, Session
+from .core import STREAMS_ENDED, GatewayCore, Session
 from .frames import BadFrame
 
 log = structlog.get_logger(__name__)
-
-STREAMS_ENDED = Counter("finsieve_streams_ended", "Chat streams the gateway ended", ["reason"])
 
 
 class GatewayService(chat_pb2_grpc.GatewayServicer):

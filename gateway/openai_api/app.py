@@ -20,7 +20,6 @@ from typing import Any
 
 import orjson
 import structlog
-from prometheus_client import Counter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -40,14 +39,12 @@ from finsieve.auth import (
 from finsieve.errors import RequestError
 from finsieve.v1 import chat_pb2
 
-from ..core import GatewayCore, Session
+from ..core import STREAMS_ENDED, GatewayCore, Session
 from .errors import ApiError, from_event
 from .mapping import Answer, Call, error_chunk, parse, to_call
 
 log = structlog.get_logger(__name__)
 
-HTTP_ENDED = Counter("finsieve_http_streams_ended", "Streamed HTTP answers the gateway ended "
-                     "before their end", ["reason"])
 KEEPALIVE = b": keepalive\n\n"
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}  # nginx: do not buffer
 
@@ -217,7 +214,7 @@ class OpenAIDoor:
                 yield KEEPALIVE
                 continue
             if session.out.overflowed:  # more events waited than a client may leave unread
-                HTTP_ENDED.labels("overflow").inc()
+                STREAMS_ENDED.labels("http_overflow").inc()
                 log.warning("http stream ended", reason="overflow")
                 return
             out: list[bytes] = []

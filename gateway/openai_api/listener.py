@@ -30,7 +30,8 @@ from uvicorn.server import ServerState
 
 from finsieve.errors import ConfigError
 
-from .app import HTTP_ENDED, error_response
+from ..core import STREAMS_ENDED
+from .app import error_response
 from .errors import ApiError
 
 log = structlog.get_logger(__name__)
@@ -109,7 +110,7 @@ class _BoundedH11(H11Protocol):
         """The client read nothing for the write timeout: the connection is aborted (close
         would wait for ever to flush), which ends its response and cancels its request."""
         self._stalled = None
-        HTTP_ENDED.labels("slow_reader").inc()
+        STREAMS_ENDED.labels("http_slow_reader").inc()
         log.warning("http connection dropped", reason="slow_reader",
                     seconds=self.BOUNDS.write_timeout_s)
         self.transport.abort()
