@@ -105,7 +105,7 @@ def test_an_input_rule_halts_content_filter_and_a_card_number_is_redacted(server
     assert [(e["action"], e["scope"]) for e in events] == [("halt", "input")]
 
     card = c.chat.completions.create(
-        model=MODEL, max_tokens=40,
+        model=MODEL, max_tokens=16,
         messages=[{"role": "user", "content": 'Repeat exactly: "Card: 4111 1111 1111 1111"'}])
     interventions = finsieve_of(card)["policy_events"]
     assert any(e["rule_id"] == "payment-card-number" and e["action"] == "redact" for e in interventions)
@@ -405,7 +405,7 @@ def _fuzz(tight_server, examples: int) -> None:
 
 
 def test_fuzz_http_bodies(tight_server):
-    _fuzz(tight_server, 100)
+    _fuzz(tight_server, 60)
 
 
 @pytest.mark.slow
