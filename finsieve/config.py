@@ -28,6 +28,9 @@ class Settings:
     role: Role = _setting("all", "what this process serves: engine, gateway, or both")
     host: str = _setting("127.0.0.1", "address the public gateway listens on")
     port: int = _setting(50051, "port of the public gateway (role all|gateway)")
+    http_port: int = _setting(
+        0, "port of the OpenAI-compatible HTTP endpoint (role all|gateway; docs/openai.md); 0 = off")
+    http_host: str = _setting("127.0.0.1", "address the OpenAI-compatible HTTP endpoint listens on")
     audit_host: str = _setting("127.0.0.1", "address the officers' AuditService listens on")
     audit_port: int = _setting(50053, "port of the officers' AuditService (role all|gateway)")
     engine_port: int = _setting(50052, "port of the engine service (role engine; 0 = free port)")
@@ -189,7 +192,22 @@ class Settings:
     outbox_max_events: int = _setting(
         1024, "events waiting for a slow client on one stream (deltas merged); more ends it")
     slow_reader_grace_s: float = _setting(
-        30.0, "a stream whose client reads nothing for this long is ended")
+        30.0, "a stream whose client reads nothing for this long is ended (gRPC; on HTTP, a "
+        "connection whose socket takes no byte for this long is dropped)")
+    http_max_body_bytes: int = _setting(
+        2097152, "largest HTTP request body, counted as it is read (413 beyond); at least "
+        "FINSIEVE_MAX_INPUT_BYTES, as JSON escapes make a body larger than its messages")
+    http_max_header_bytes: int = _setting(
+        16384, "largest HTTP request line and headers together (431 beyond, the connection closed)")
+    http_max_connections: int = _setting(
+        1000, "HTTP connections open at once; a request beyond gets 503 and its connection closes")
+    http_read_timeout_s: float = _setting(
+        30.0, "an HTTP client sends a request's line and headers, then its body, each within "
+        "this long (the connection closed; 408 for a body)")
+    http_keepalive_s: float = _setting(5.0, "an idle HTTP keep-alive connection is closed after this long")
+    http_sse_keepalive_s: float = _setting(
+        15.0, "while a streamed HTTP answer has nothing to send (queued, a long prefill), an SSE "
+        "comment this often keeps proxies from closing it")
     keepalive_time_s: float = _setting(60.0, "ping a silent peer (client, engine) after this long")
     keepalive_timeout_s: float = _setting(20.0, "drop a peer that does not answer a ping in time")
     min_ping_interval_s: float = _setting(
@@ -264,7 +282,9 @@ class Settings:
                     "engine_keepalive_timeout_s", "engine_dns_interval_s", "max_engines",
                     "rules_max_bytes",
                     "regex_timeout_ms", "rules_debounce_ms", "audit_max_calls",
-                    "admin_backlog_max", "handshake_timeout_s", "redis_max_connections")
+                    "admin_backlog_max", "handshake_timeout_s", "redis_max_connections",
+                    "http_max_header_bytes", "http_max_connections", "http_read_timeout_s",
+                    "http_keepalive_s", "http_sse_keepalive_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{self.env_name(name)}: must be positive")
@@ -320,6 +340,11 @@ class Settings:
             raise ConfigError("FINSIEVE_MIN_PING_INTERVAL_S: must not exceed FINSIEVE_KEEPALIVE_TIME_S "
                               "(gateways ping engines that often)")
         _validate_frame_limit(self)
+        if not 0 <= self.http_port < 65536:
+            raise ConfigError("FINSIEVE_HTTP_PORT: 0 (off) or a port from 1 to 65535")
+        if self.http_max_body_bytes < self.max_input_bytes:
+            raise ConfigError(f"FINSIEVE_HTTP_MAX_BODY_BYTES: at least FINSIEVE_MAX_INPUT_BYTES "
+                              f"({self.max_input_bytes}): a valid request must fit")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ConfigError("FINSIEVE_DEFAULT_MAX_TOKENS: must not exceed max_tokens_limit")
         if self.role == "gateway" and not (self.engines or self.engines_file or self.engine_dns):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,8 @@ def check_transport(s: Settings) -> None:
     listeners = []
     if s.role in ("all", "gateway"):
         listeners += [("--host", s.host), ("--audit-host", s.audit_host)]
+        if s.http_port:
+            listeners.append(("--http-host", s.http_host))
     if s.role == "engine":
         listeners.append(("--host", s.host))
     for flag, host in listeners:
@@ -195,6 +198,27 @@ def server_credentials(s: Settings) -> grpc.ServerCredentials | None:
     # gRPC has no "verify if presented": with a client CA, a certificate is required.
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                        require_client_auth=ca is not None)
+
+
+def server_ssl_context(s: Settings) -> ssl.SSLContext | None:
+    """The same TLS for an HTTP listener (asyncio's): certificate, key and client CA as
+    server_credentials checks them; TLS 1.2 at least. None: plaintext."""
+    if not s.tls_cert:
+        return None
+    read_secret(Path(s.tls_key), "FINSIEVE_TLS_KEY")  # its mode and size, as for gRPC
+    _pem(s.tls_cert, "FINSIEVE_TLS_CERT")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(s.tls_cert, s.tls_key)
+        if s.tls_client_ca:
+            context.load_verify_locations(cadata=_pem(s.tls_client_ca, "FINSIEVE_TLS_CLIENT_CA")
+                                          .decode("ascii", errors="replace"))
+            context.verify_mode = ssl.CERT_REQUIRED  # as on gRPC: a certificate is required
+    except ssl.SSLError as e:
+        raise ConfigError(f"--tls-cert/--tls-key/--tls-client-ca: cannot be used for TLS: "
+                          f"{e.reason or e}") from None
+    return context
 
 
 def engine_channel_credentials(s: Settings) -> grpc.ChannelCredentials | None:

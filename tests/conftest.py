@@ -60,7 +60,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
     tmp = tmp_path_factory.mktemp("server")
     (tmp / "limits.yaml").write_text(SESSION_LIMITS)
     srv = start_server(tmp, "--model", str(default_model_dir), "--metrics-port", str(free_port()),
-                       "--limits-file", str(tmp / "limits.yaml"), console=True)
+                       "--limits-file", str(tmp / "limits.yaml"),
+                       "--http-port", str(free_port()), console=True)
     yield srv
     srv.stop()
 
@@ -120,6 +121,7 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory,
     secret.chmod(0o600)
     srv = start_server(tmp, "--model", str(default_model_dir), "--rules", str(rules),
                        "--luts", str(tmp / "luts"), "--metrics-port", str(metrics),
+                       "--http-port", str(free_port()),
                        env={**TIGHT_ENV, "FINSIEVE_ENGINE_SECRET_FILE": str(secret)})
     yield TightServer(srv, rules, f"http://127.0.0.1:{metrics}/metrics")
     srv.stop()

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--engine-port", type=int)
+    s.add_argument("--http-port", type=int,
+                   help="serve the OpenAI-compatible HTTP endpoint on this port (0 = off)")
+    s.add_argument("--http-host", help="address of the HTTP endpoint (loopback by default)")
     s.add_argument("--audit-host")
     s.add_argument("--audit-port", type=int, help="the officers' AuditService (loopback by default)")
     s.add_argument("--console-port", type=int, help="the officers' web console on --audit-host (0: off)")

@@ -42,14 +42,17 @@ from gateway.anchors import Anchoring, AnchorWriter
 from gateway.audit import AuditLog
 from gateway.audit_recovery import Checking, audit_log
 from gateway.cache import ResponseCache
+from gateway.core import Bounds, GatewayCore
 from gateway.discovery import Discovery, Sources
 from gateway.engines import EngineCredentials, EnginePool
 from gateway.frames import add_gateway_to_server
 from gateway.identity import ClientAuthenticator
 from gateway.keys import KeyStore
 from gateway.limits import tenant_limiter
+from gateway.openai_api.app import HttpBounds, OpenAIDoor
+from gateway.openai_api.listener import HttpListener, ListenerBounds
 from gateway.rules import GatewayPolicy, compile_gateway_policy
-from gateway.server import Bounds, GatewayService
+from gateway.server import GatewayService
 from gateway.validation import Limits
 
 if TYPE_CHECKING:  # a gateway-only process never loads torch
@@ -64,6 +67,7 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005  # see _start_engine
 # in a row; then the process exits non-zero, as when the device fails, to be restarted.
 ENGINE_LOOP_RESTARTS = 3
 DEV_TENANT = "default"
+HTTP_STOP_S = 5.0  # the HTTP listener's own stop, after the drain
 
 
 class EngineStopped(RuntimeError):
@@ -350,7 +354,7 @@ async def _start_gateway(
     settings: Settings, discovery: Discovery, engine_credentials: EngineCredentials,
     audit: AuditLog, keys: KeyStore, client: Client,
     rules: PolicyHolder[GatewayPolicy] | None, stack: AsyncExitStack,
-) -> tuple[GatewayService, RunningServer]:
+) -> tuple[GatewayCore, RunningServer]:
     auth = ClientAuthenticator.from_settings(settings, keys)
     limiter = tenant_limiter(settings, client)
     renew = supervise.start("tenant-leases", limiter.renew_leases)
@@ -366,11 +370,12 @@ async def _start_gateway(
     limits = Limits(settings.max_tokens_limit, settings.max_input_bytes, settings.max_messages)
     bounds = Bounds(settings.max_in_flight_per_stream, settings.max_in_flight_per_connection,
                     settings.outbox_max_events, settings.slow_reader_grace_s)
-    gateway = GatewayService(pool, limits, audit, cache, settings.audit_fail_open, rules, bounds,
-                             auth, limiter)
+    gateway = GatewayCore(pool, limits, audit, cache, settings.audit_fail_open, rules, bounds,
+                          auth, limiter)
     credentials = tls.server_credentials(settings)
     running = await start_server(
-        f"{settings.host}:{settings.port}", [Service(GATEWAY, gateway, add_gateway_to_server)],
+        f"{settings.host}:{settings.port}",
+        [Service(GATEWAY, GatewayService(gateway), add_gateway_to_server)],
         options=server_options(settings, settings.max_message_bytes),
         max_concurrent_rpcs=settings.max_streams, credentials=credentials,
         interceptors=[AuthInterceptor(auth, roles_for({GATEWAY: "app"}))])
@@ -379,7 +384,36 @@ async def _start_gateway(
     log.info("gateway serving", address=f"{settings.host}:{running.port}",
              engines=sorted(discovery.engines()),
              tls=credentials is not None, mtls=bool(settings.tls_client_ca))
+    if settings.http_port:
+        await _start_http(settings, gateway, auth, stack)
     return gateway, running
+
+
+async def _start_http(settings: Settings, gateway: GatewayCore, auth: ClientAuthenticator,
+                      stack: AsyncExitStack) -> None:
+    """The OpenAI-compatible door on the same pipeline: uvicorn on this event loop."""
+    door = OpenAIDoor(gateway, auth, HttpBounds(settings.http_max_body_bytes,
+                                                settings.http_read_timeout_s,
+                                                settings.http_sse_keepalive_s))
+    context = tls.server_ssl_context(settings)
+    listener = HttpListener(door.app(), settings.http_host, settings.http_port, context,
+                            ListenerBounds(settings.http_max_header_bytes,
+                                           settings.http_max_connections,
+                                           settings.http_read_timeout_s,
+                                           settings.slow_reader_grace_s, settings.http_keepalive_s))
+    port = listener.bind()
+    task = supervise.start("http-listener", listener.serve)
+
+    async def stop() -> None:  # after the drain, as for gRPC
+        listener.stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), HTTP_STOP_S)
+        except TimeoutError:
+            task.cancel()
+
+    stack.push_async_callback(stop)
+    log.info("http serving", address=f"{settings.http_host}:{port}", tls=context is not None,
+             mtls=bool(settings.tls_client_ca))
 
 
 async def _watch_admin(engines: EnginePool, trail: AdminTrail,

@@ -22,8 +22,10 @@ import grpc
 from finsieve.app.client import wait_ready
 from finsieve.v1 import engine_pb2, engine_pb2_grpc
 
-# Per-tenant limits of the session server, for the tenants test_identity.py makes keys for.
-SESSION_LIMITS = "tenants:\n  t-tokens:\n    tokens_per_min: 10\n"
+# Per-tenant limits of the session server, for the tenants test_identity.py and
+# test_openai_http.py make keys for.
+SESSION_LIMITS = ("tenants:\n  t-tokens:\n    tokens_per_min: 10\n"
+                  "  t-http-flood:\n    requests_per_s: 0.01\n")
 
 
 _JSON = json.JSONDecoder()
@@ -59,6 +61,7 @@ class Server:
     state: Path
     metrics: str = ""  # its Prometheus endpoint, where the test asked for one
     console_url: str = ""  # the officers' web console, when started with one
+    http: str = ""  # the base URL of its OpenAI-compatible endpoint, where it serves one
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -118,6 +121,9 @@ def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     server = Server(proc, f"127.0.0.1:{port}", f"127.0.0.1:{audit_port}", log_path, tmp / "state",
                     console_url=f"http://127.0.0.1:{console_args[1]}" if console else "")
+    if "--http-port" in args:
+        scheme = "https" if "--tls-cert" in args else "http"
+        server.http = f"{scheme}://127.0.0.1:{args[args.index('--http-port') + 1]}/v1"
     _STATE_DIRS[server.target] = _STATE_DIRS[server.audit_target] = server.state
     if ready and not asyncio.run(wait_ready(server.target, 120, credentials)):
         server.stop(signal.SIGKILL)
@@ -187,6 +193,11 @@ TIGHT_ENV = {
     # tests tenants' limits).
     "FINSIEVE_TENANT_REQUESTS_PER_S": "0",
     "FINSIEVE_TENANT_TOKENS_PER_MIN": "0",
+    # The HTTP door's bounds (test_openai_http.py).
+    "FINSIEVE_HTTP_MAX_BODY_BYTES": "65536",
+    "FINSIEVE_HTTP_MAX_HEADER_BYTES": "8192",
+    "FINSIEVE_HTTP_READ_TIMEOUT_S": "2",
+    "FINSIEVE_HTTP_SSE_KEEPALIVE_S": "1",
 }
 
 
@@ -199,6 +210,10 @@ class TightServer:
     @property
     def target(self) -> str:
         return self.server.target
+
+    @property
+    def http(self) -> str:
+        return self.server.http
 
     @functools.cached_property
     def engine_target(self) -> str:
