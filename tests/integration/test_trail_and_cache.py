@@ -288,8 +288,10 @@ def test_a_card_number_never_appears_unmasked_in_redis_or_an_export(gateways, sh
 
 def test_officers_process_stops_with_the_gateway(tmp_path_factory, shared):
     c = gateway(tmp_path_factory, shared)
-    pid = next(r["pid"] for r in c.records("audit service serving") if "pid" in r)
-    assert c.stop() == 0
+    try:
+        pid = next(r["pid"] for r in c.records("audit service serving") if "pid" in r)
+    finally:
+        assert c.stop() == 0
     deadline = time.monotonic() + 10
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
