@@ -302,6 +302,32 @@ def shared_valkey(tmp_path_factory) -> EmbeddedValkey:
     v.stop()
 
 
+@pytest.mark.parametrize("tokens_per_min", [200_000, 999_999_999_999])
+def test_a_token_buckets_level_never_reads_as_a_card_number(shared_valkey, tokens_per_min):
+    """The level a bucket stores (in the AOF too) is a float: written in full, 200,000 a
+    minute less 53 tokens read `199947.33333333`, 14 Luhn-valid digits for a PAN scanner."""
+    from gateway.limits import Limiter, TenantLimits
+
+    from support.pan_scan import card_numbers
+
+    async def levels() -> list[bytes]:
+        client = redis.Redis(port=shared_valkey.port, password=shared_valkey.password)
+        try:
+            tenant = f"t-level-{tokens_per_min}"
+            limiter = Limiter(client, TenantLimits(tokens_per_min=tokens_per_min), {})
+            out = []
+            for cost in (53, 1, 7, 11):
+                await limiter.charge(tenant, cost)
+                out.append(await client.hget(f"{{finsieve-limits:{tenant}}}:tpm", "t"))
+            return out
+        finally:
+            await client.aclose()
+
+    for level in asyncio.run(levels()):
+        assert len(re.sub(r"\D", "", level.decode().split("e")[0])) <= 10, level
+        assert not card_numbers(level.decode())
+
+
 def test_limits_are_shared_by_two_gateways(tmp_path, shared_valkey):
     """Two gateway processes on one Valkey draw from the same buckets and stream slots."""
     url = f"redis://:{shared_valkey.password}@127.0.0.1:{shared_valkey.port}/0"

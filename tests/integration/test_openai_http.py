@@ -222,8 +222,10 @@ def test_sse_keepalive_comments_while_the_request_waits(tight_server):
     url = f"{tight_server.http}/chat/completions"
 
     async def fill(h: httpx.AsyncClient, generating: asyncio.Event, leave: asyncio.Event) -> None:
+        # Greedy: this small model then loops to max_tokens (sampled, one answer could end
+        # early and free its row before the ninth is queued).
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
-                "max_tokens": 1000, "temperature": 0.9, "stream": True}
+                "max_tokens": 1000, "temperature": 0, "stream": True}
         async with h.stream("POST", url, json=body, headers=auth) as r:
             async for line in r.aiter_lines():
                 if '"content":"' in line and '"content":""' not in line:
