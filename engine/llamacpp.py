@@ -134,16 +134,22 @@ class LlamaCppModel:
 
     @torch.inference_mode()
     def prefill(self, chunks: list[Chunk], sample: list[bool]) -> Tensor:
-        """Feed each chunk's tokens at its positions, a call per chunk; logits after the
-        last token of each chunk marked in `sample`, in order: (sampled chunks, vocab)."""
+        """Feed each chunk's tokens at its positions (a call per max_tokens of them); logits
+        after the last token of each chunk marked in `sample`, in order: (sampled chunks,
+        vocab)."""
         out = []
         for (slot, start, tokens), sampled in zip(chunks, sample, strict=True):
+            if not tokens:
+                raise ValueError("a prefill chunk holds at least one token")
             self._forget(slot, start)
-            n = len(tokens)
-            outputs = np.zeros(n, np.int8)
-            outputs[-1] = sampled
-            logits = self._forward(np.asarray(tokens, np.int32), np.arange(start, start + n),
-                                   np.full(n, slot), outputs)
+            end = start + len(tokens)
+            for at in range(start, end, self.max_tokens):
+                piece = tokens[at - start : at - start + self.max_tokens]
+                n = len(piece)
+                outputs = np.zeros(n, np.int8)
+                outputs[-1] = sampled and at + n == end
+                logits = self._forward(np.asarray(piece, np.int32), np.arange(at, at + n),
+                                       np.full(n, slot), outputs)
             if sampled:
                 out.append(logits)
         return torch.cat(out) if out else torch.empty(0, self.vocab_size)

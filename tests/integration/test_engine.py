@@ -366,12 +366,15 @@ def test_a_temperature_of_1e_45_fails_nothing_else_in_the_batch(engine):
     assert text_of(out["tiny"]) == text_of(greedy)  # a temperature that small is greedy
 
 
-def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(engine, monkeypatch):
-    """The engine with mixed steps (on the CPU only for this test: there they would make a
-    prompt's chunks depend on the batch): prompts that arrive while another stream decodes
-    ride in its decode forward, and every greedy answer is the one prefill forwards give."""
+def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(float32_engine,
+                                                                                monkeypatch):
+    """The engine with mixed steps (the compact forward's; on the CPU only for this test:
+    there they would make a prompt's chunks depend on the batch): prompts that arrive while
+    another stream decodes ride in its decode forward, and every greedy answer is the one
+    prefill forwards give."""
     from engine.model_runner import ModelRunner
 
+    engine = float32_engine
     questions = ["What is a bond?", "Explain what a stock split does to a share's price.",
                  "Why do banks pay interest on savings?"]
     prefills = []
