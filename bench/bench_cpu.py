@@ -170,19 +170,20 @@ def _hwm_kib(pid: int) -> int:
 
 async def one_stream(serve: Serve, rid: str, question: str, max_tokens: int) -> dict:
     start = time.perf_counter()
-    first, tokens, arrivals = None, 0, []
+    first, tokens, arrivals, texts = None, 0, [], []
     request = chat_request(rid, question, max_tokens=max_tokens)
     async for event in stream_one(serve.target, request, credentials=serve.credentials):
         kind = event.WhichOneof("event")
         if kind == "delta":
             arrivals.append(time.perf_counter())
+            texts.append(event.delta.text)
             first = first if first is not None else arrivals[-1] - start
         elif kind == "finished":
             tokens = event.finished.usage.completion_tokens
         elif kind == "error":
             raise RuntimeError(event.error.message)
     return {"ttft_s": first, "tokens": tokens, "wall_s": time.perf_counter() - start,
-            "arrivals": arrivals}
+            "arrivals": arrivals, "texts": texts}
 
 
 async def level(serve: Serve, n: int, max_tokens: int, tag: str) -> dict:

@@ -151,7 +151,7 @@ class Settings:
         2048, "prompt tokens prefilled per step (chunked prefill): the longest stall a burst of "
         "prompts causes the running streams")
     cpu_prefill_chunk: int = _setting(
-        256, "CPU: prompt tokens prefilled per step, at most (and at most prefill_chunk): a "
+        32, "CPU: prompt tokens prefilled per step, at most (and at most prefill_chunk): a "
         "step stays short, so running streams go on while long prompts arrive")
     mixed_tokens: int = _setting(
         256, "CUDA: while streams decode, at most this many prompt tokens a step are prefilled "
