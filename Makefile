@@ -78,6 +78,7 @@ test-gpu: setup
 
 bench: setup
 	$(BIN)/python bench/bench_foundation.py
+	$(BIN)/python bench/bench_cpu.py
 	$(BIN)/python bench/bench_rules.py
 	$(BIN)/python bench/bench_enforcement.py
 	$(BIN)/python bench/bench_audit.py
