@@ -35,9 +35,9 @@ from torch import Tensor
 
 from finsieve.errors import ModelLoadError
 
-log = structlog.get_logger(__name__)
+from .model import Chunk
 
-Chunk = tuple[int, int, list[int]]  # (slot, first KV position, token ids)
+log = structlog.get_logger(__name__)
 
 _LOG_ERROR = 4  # ggml_log_level GGML_LOG_LEVEL_ERROR
 
@@ -163,8 +163,8 @@ class LlamaCppModel:
         n = tokens.size
         if not 0 < n <= self.max_tokens:
             raise ValueError(f"a call feeds 1 to {self.max_tokens} tokens, not {n}")
-        if positions[-1] >= self.max_len:
-            raise ValueError(f"position {positions[-1]} is past the slot's {self.max_len}")
+        if positions.max() >= self.max_len:
+            raise ValueError(f"position {positions.max()} is past a slot's {self.max_len}")
         self._batch.fill(tokens, positions, seqs, outputs)
         status = self._llama.llama_decode(self._ctx, self._batch.struct)
         if status != 0:

@@ -45,7 +45,6 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
-    config: Any = None  # the transformers config
     gguf: Path | None = None  # the GGUF llama.cpp runs (the CPU's fast path), if any
 
 
@@ -164,6 +163,5 @@ def load_model(model: str, state_dir: Path, device: torch.device,
         tokenizer=tokenizer,
         eos_token_ids=frozenset(eos),
         max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
-        config=config,
         gguf=gguf,
     )
