@@ -3,7 +3,8 @@ itself on the same GGUF, in one run.
 
     .venv/bin/python bench/bench_cpu.py [--rounds 3] [--tokens 128] [--float32-tokens 32]
 
-llama.cpp alone: llama-cpp-python's low-level API on the default model's GGUF, its own greedy
+llama.cpp alone: llama-cpp-python's low-level API on the default model's GGUF (the wheel's
+Q4_1 file; the fast path runs it requantized to Q8_0, engine/llamacpp.py), its own greedy
 sampler in C, one context per level (1 and 4 sequences), so nothing of finsieve's is in its
 loop. finsieve: two `finsieve serve` processes (gateway + engine + Valkey, the default rule
 packs, the audit trail on, response cache off), FINSIEVE_CPU_BACKEND=llama.cpp and float32,
@@ -38,13 +39,14 @@ from provenance import provenance, with_provenance
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the enforcement suite's prompts
 
+from engine.loader import default_gguf  # noqa: E402
 from finsieve.app.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready  # noqa: E402
 
 from prompts import LONG_ANSWERS  # noqa: E402
 from support.zero_leak import ZERO_LEAK  # noqa: E402
 
 MODEL = REPO / ".finsieve" / "models" / "SmolLM2-135M-Instruct"
-GGUF = MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = default_gguf()  # the wheel's Q4_1 file (the fast path runs it requantized to Q8_0)
 PARAGRAPH = ("A bank's treasury desk manages liquidity, funding and interest-rate risk across the "
              "balance sheet, matching the maturities of deposits and loans and keeping reserves "
              "that regulators require. ")

