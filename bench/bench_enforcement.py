@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from provenance import provenance, with_provenance
+from transformers import AutoModelForCausalLM
 
 from engine.engine import NO_POLICY, CollectingSink, EngineLimits, LLMEngine
 from engine.loader import load_model
@@ -138,7 +139,9 @@ def main() -> None:
     off = run_batch(engine, prompts, 40)
     engine.policy = lambda: policy
     on = run_batch(engine, prompts, 40)
-    hf = hf_bad_words(model.hf_model, model.tokenizer, policy, prompts, 40)
+    # transformers' own generate needs the float weights (on the CPU the engine runs the GGUF)
+    hf_model = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    hf = hf_bad_words(hf_model, model.tokenizer, policy, prompts, 40)
     result["leaks"] = {
         "prompts": len(prompts),
         "no_rules": sum(leaks(policy, t) for t in off["texts"]),

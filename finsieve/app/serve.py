@@ -205,13 +205,14 @@ async def _start_engine(settings: Settings, secret: bytes, stack: AsyncExitStack
     from engine.server import EngineService, GatewayGate, add_to_server
 
     device = resolve_device(settings.device)
-    model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device)
+    model = await asyncio.to_thread(load_model, settings.model, settings.state_path, device,
+                                    settings.cpu_backend)
     limits = EngineLimits(settings.max_batch, settings.max_context, settings.default_max_tokens,
                           settings.batch_invariant, settings.max_rollbacks, settings.max_waiting,
                           settings.prefill_chunk, settings.gpu_memory_utilization,
                           settings.compile, settings.cuda_graphs, settings.prompt_batch_tokens,
                           settings.prompt_wait_steps, settings.prepare_workers,
-                          settings.mixed_tokens)
+                          settings.mixed_tokens, settings.cpu_prefill_chunk)
     engine = await asyncio.to_thread(LLMEngine, model, limits, device)
     holder = None
     if settings.rules:

@@ -366,12 +366,16 @@ def test_a_temperature_of_1e_45_fails_nothing_else_in_the_batch(engine):
     assert text_of(out["tiny"]) == text_of(greedy)  # a temperature that small is greedy
 
 
-def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(engine, monkeypatch):
-    """The engine with mixed steps (on the CPU only for this test: there they would make a
-    prompt's chunks depend on the batch): prompts that arrive while another stream decodes
-    ride in its decode forward, and every greedy answer is the one prefill forwards give."""
+def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(float32_engine,
+                                                                                monkeypatch):
+    """The engine with mixed steps (the compact forward's; on the CPU only for this test:
+    there they would make a prompt's chunks depend on the batch): prompts that arrive while
+    another stream decodes ride in its decode forward, and every greedy answer is the one
+    prefill forwards give. Prefill chunks of CUDA's 2,048 tokens (the CPU's are smaller)."""
     from engine.model_runner import ModelRunner
 
+    engine = float32_engine
+    monkeypatch.setattr(engine.scheduler, "prefill_chunk", 2048)
     questions = ["What is a bond?", "Explain what a stock split does to a share's price.",
                  "Why do banks pay interest on savings?"]
     prefills = []
@@ -403,9 +407,10 @@ def test_prompts_prefilled_in_mixed_steps_get_the_answers_of_a_prefill_forward(e
 
 
 def test_each_step_reports_the_rows_it_feeds(engine):
-    """finsieve_engine_step_rows: a step feeds its prompt tokens and one row a decode row, so
-    an answer cut by max_tokens takes one step a token, fed its prompt and every token but
-    its last (run-ahead stops before the token that ends it)."""
+    """finsieve_engine_step_rows: a step feeds its prompt tokens (a chunk a step) and one row a
+    decode row, so an answer cut by max_tokens takes a step a prompt chunk and one a token
+    after the first, fed its prompt and every token but its last (run-ahead stops before the
+    token that ends it)."""
     from engine.events import STEP_ROWS
 
     def count_and_sum() -> tuple[float, float]:
@@ -420,7 +425,8 @@ def test_each_step_reports_the_rows_it_feeds(engine):
         engine.step()
     assert seq.finish_reason is Finish.LENGTH and len(seq.output_ids) == 6
     after = count_and_sum()
-    assert (after[0] - steps, after[1] - rows) == (6, len(seq.prompt_ids) + 5)
+    chunks = -(-len(seq.prompt_ids) // engine.scheduler.prefill_chunk)
+    assert (after[0] - steps, after[1] - rows) == (chunks + 5, len(seq.prompt_ids) + 5)
 
 
 def test_the_loop_splits_its_host_work_into_launching_and_acting_on_tokens(engine, monkeypatch):

@@ -1,4 +1,5 @@
-"""The compact forward against transformers' own, batch invariance, and the fallback runner."""
+"""The compact forward against transformers' own, batch invariance on both CPU paths (llama.cpp's,
+the default, and the float32 reference), and the fallback runner."""
 
 from __future__ import annotations
 
@@ -33,20 +34,35 @@ def _hf_greedy(hf_model, tokenizer, question: str, n: int) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_compact_forward_matches_transformers_greedy(engine, default_model_dir):
+def test_compact_forward_matches_transformers_greedy(float32_engine, default_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     question = "What is compound interest?"
-    ours = text_of(engine.generate(chat_request("c", question, max_tokens=24)))
-    assert ours == _hf_greedy(hf, engine.tokenizer, question, 24)
+    ours = text_of(float32_engine.generate(chat_request("c", question, max_tokens=24)))
+    assert ours == _hf_greedy(hf, float32_engine.tokenizer, question, 24)
+
+
+def test_the_default_model_runs_on_llama_cpp_and_the_float32_path_on_request(engine, float32_engine):
+    from engine.llamacpp import LlamaCppModel
+    from engine.model import CompactLM
+
+    assert isinstance(engine.model, LlamaCppModel) and engine.mode == "llama.cpp"
+    assert isinstance(float32_engine.model, CompactLM)
+
+
+BOTH_PATHS = pytest.mark.parametrize("path", ["engine", "float32_engine"])
 
 
 def _decode(model, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
     return model.decode(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))
 
 
-def test_decode_logits_do_not_depend_on_the_rest_of_the_batch(engine):
+@BOTH_PATHS
+def test_decode_logits_do_not_depend_on_the_rest_of_the_batch(request, path):
+    engine = request.getfixturevalue(path)
     model = engine.model
     prompts = [engine.tokenizer(f"Question number {i} about money").input_ids for i in range(5)]
+    # one neighbour far longer: attention reads more cache positions in the batch than alone
+    prompts[4] = engine.tokenizer("A long record of trades. " * 60).input_ids
     slots = list(range(5))
     model.prefill([(s, 0, ids) for s, ids in zip(slots, prompts, strict=True)], [False] * 5)
     lengths = [len(ids) for ids in prompts]
@@ -55,7 +71,9 @@ def test_decode_logits_do_not_depend_on_the_rest_of_the_batch(engine):
     assert torch.equal(alone[0], together[0])
 
 
-def test_rollback_by_truncation_reproduces_the_same_logits(engine):
+@BOTH_PATHS
+def test_rollback_by_truncation_reproduces_the_same_logits(request, path):
+    engine = request.getfixturevalue(path)
     model = engine.model
     ids = engine.tokenizer("The bank said").input_ids
     model.prefill([(0, 0, ids)], [False])
@@ -66,7 +84,9 @@ def test_rollback_by_truncation_reproduces_the_same_logits(engine):
     assert torch.equal(first, again)
 
 
-def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(engine):
+@BOTH_PATHS
+def test_chunked_prefill_gives_the_logits_of_a_whole_prefill(request, path):
+    engine = request.getfixturevalue(path)
     model = engine.model
     ids = engine.tokenizer("Explain, step by step, how a mortgage is paid off over thirty years "
                            "and what an amortization table shows.").input_ids
@@ -92,9 +112,10 @@ def _mixed_step(engine) -> tuple[list, list, list]:
     return decode, chunks, [True, False, True]
 
 
-def test_a_mixed_step_gives_the_logits_of_decode_rows_and_prefill_apart(engine):
+def test_a_mixed_step_gives_the_logits_of_decode_rows_and_prefill_apart(float32_engine):
     """Prefill chunks fed as rows of the decode forward, beside decode rows (a mixed step):
     each chunk's tokens attend to its slot's prefix and to each other, causally."""
+    engine = float32_engine
     model = engine.model
     decode, chunks, sample = _mixed_step(engine)
     tokens, positions, slots = zip(*[(toks[0], start, slot) for slot, start, toks in decode], strict=True)
@@ -112,10 +133,11 @@ def test_a_mixed_step_gives_the_logits_of_decode_rows_and_prefill_apart(engine):
         torch.testing.assert_close(now, then, atol=1e-4, rtol=1e-4)
 
 
-def test_the_runner_samples_a_mixed_step_as_decode_and_prefill_apart(engine, monkeypatch):
+def test_the_runner_samples_a_mixed_step_as_decode_and_prefill_apart(float32_engine, monkeypatch):
     """Through ModelRunner.launch: one forward (the prefill entry point is never called)."""
     from engine.model_runner import ModelRunner, StepRow
 
+    engine = float32_engine
     decode, chunks, sample = _mixed_step(engine)
     rows = [StepRow(slot, start, toks, sample=s)
             for (slot, start, toks), s in zip(decode + chunks, [True, True, *sample], strict=True)]
@@ -213,14 +235,14 @@ def _varlen_reference(q, k_cache, v_cache, keys: VarlenKeys) -> torch.Tensor:
     return out
 
 
-def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(engine, monkeypatch):
+def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(float32_engine, monkeypatch):
     """The fixed-shape inputs the CUDA graphs prefill from (a bucket's tokens, keys and
     chunks, padding in a dummy chunk of the scratch slot) give the logits and the cache of
     the eager prefill, and write nothing outside the chunks' slots but the scratch slot."""
     from engine import model as model_module
     from engine.cuda_graphs import PrefillGraphs
 
-    model = engine.model
+    model = float32_engine.model
     monkeypatch.setattr(model_module, "varlen_prefill", _varlen_reference)
     model.prefill([(3, 0, list(range(300, 340)))], [False])  # a prefix that one chunk continues
     chunks = [(0, 0, list(range(100, 150))), (1, 0, list(range(200, 207))),
@@ -242,14 +264,14 @@ def test_the_padded_prefill_of_the_cuda_graphs_matches_the_eager_prefill(engine,
         assert torch.equal(c[4:scratch], b[4:scratch])  # untouched slots
 
 
-def test_a_step_takes_the_smallest_prefill_bucket_that_holds_it(engine):
+def test_a_step_takes_the_smallest_prefill_bucket_that_holds_it(float32_engine):
     """Tokens exactly a bucket, a chunk continuing at the end of its slot, a chunk for every
     slot; eager when no bucket can: more tokens than the largest, more cached keys than a
     slot holds, more chunks than the largest takes."""
     from engine.cuda_graphs import PrefillGraphs
 
-    graphs = PrefillGraphs(engine.model, 256)  # buckets 64, 128, 256; 8 slots: 9 chunks at most
-    end = engine.model.cache.max_len
+    graphs = PrefillGraphs(float32_engine.model, 256)  # buckets 64, 128, 256; 8 slots: 9 chunks at most
+    end = float32_engine.model.cache.max_len
     assert graphs.buckets == [64, 128, 256]
     assert graphs.layout([(0, 0, [1] * 64)], [True])[0] == 64
     assert graphs.layout([(0, end - 65, [1] * 64)], [True])[0] == 64
