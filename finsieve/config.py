@@ -199,8 +199,8 @@ class Settings:
     outbox_max_events: int = _setting(
         1024, "events waiting for a slow client on one stream (deltas merged); more ends it")
     slow_reader_grace_s: float = _setting(
-        30.0, "a stream whose client reads nothing for this long is ended (gRPC; on HTTP, a "
-        "connection whose socket takes no byte for this long is dropped)")
+        30.0, "a stream whose client reads nothing for this long is ended (gRPC; on HTTP and the "
+        "officers' console, a connection whose socket takes no byte for this long is dropped)")
     http_max_body_bytes: int = _setting(
         2097152, "largest HTTP request body, counted as it is read (413 beyond); at least "
         "FINSIEVE_MAX_INPUT_BYTES, as JSON escapes make a body larger than its messages")
@@ -210,7 +210,7 @@ class Settings:
         1000, "HTTP connections open at once; a request beyond gets 503 and its connection closes")
     http_read_timeout_s: float = _setting(
         30.0, "an HTTP client sends a request's line and headers, then its body, each within "
-        "this long (the connection closed; 408 for a body)")
+        "this long (the connection closed; 408 for a body); the officers' console's heads too")
     http_keepalive_s: float = _setting(5.0, "an idle HTTP keep-alive connection is closed after this long")
     http_sse_keepalive_s: float = _setting(
         15.0, "while a streamed HTTP answer has nothing to send (queued, a long prefill), an SSE "

@@ -61,7 +61,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
     (tmp / "limits.yaml").write_text(SESSION_LIMITS)
     srv = start_server(tmp, "--model", str(default_model_dir), "--metrics-port", str(free_port()),
                        "--limits-file", str(tmp / "limits.yaml"),
-                       "--http-port", str(free_port()), console=True)
+                       "--http-port", str(free_port()), console=True,
+                       env={"FINSIEVE_HTTP_READ_TIMEOUT_S": "10"})
     yield srv
     srv.stop()
 

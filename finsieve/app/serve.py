@@ -46,11 +46,12 @@ from gateway.core import Bounds, GatewayCore
 from gateway.discovery import Discovery, Sources
 from gateway.engines import EngineCredentials, EnginePool
 from gateway.frames import add_gateway_to_server
+from gateway.http_bounds import ListenerBounds
 from gateway.identity import ClientAuthenticator
 from gateway.keys import KeyStore
 from gateway.limits import tenant_limiter
 from gateway.openai_api.app import HttpBounds, OpenAIDoor
-from gateway.openai_api.listener import HttpListener, ListenerBounds
+from gateway.openai_api.listener import HttpListener
 from gateway.rules import GatewayPolicy, compile_gateway_policy
 from gateway.server import GatewayService
 from gateway.validation import Limits

@@ -3,6 +3,10 @@ FINSIEVE_AUDIT_HOST:FINSIEVE_CONSOLE_PORT, with the certificates every other lis
 (and a client certificate required when FINSIEVE_TLS_CLIENT_CA is set). Plaintext only on
 loopback: `tls.check_transport` refuses a non-loopback FINSIEVE_AUDIT_HOST without TLS.
 
+Each connection is bounded as the OpenAI door's are (gateway/http_bounds.py): a request's
+head within FINSIEVE_HTTP_READ_TIMEOUT_S, a socket that takes no byte for
+FINSIEVE_SLOW_READER_GRACE_S dropped.
+
 The process's signal handling stays its own: uvicorn's `serve()` would take SIGTERM over,
 so the server is started, run and shut down through its parts.
 """
@@ -19,6 +23,7 @@ import uvicorn
 from finsieve import supervise
 from finsieve.errors import ConfigError
 
+from ..http_bounds import BoundedH11, ListenerBounds, bounded, route_uvicorn_logs
 from .app import Console, build
 
 KEEP_ALIVE_S = 5
@@ -62,14 +67,18 @@ def _listen(host: str, port: int) -> socket.socket:
 async def start(console: Console) -> RunningConsole:
     s = console.settings
     sock = _listen(s.audit_host, s.console_port)
+    bounds = ListenerBounds(MAX_HEADER_BYTES, s.audit_max_calls, s.http_read_timeout_s,
+                            s.slow_reader_grace_s, KEEP_ALIVE_S)
     config = uvicorn.Config(
-        build(console), lifespan="off", log_config=None, access_log=False, server_header=False,
+        build(console), http=bounded(BoundedH11, bounds), ws="none", lifespan="off",
+        log_config=None, access_log=False, server_header=False,
         proxy_headers=False, limit_concurrency=s.audit_max_calls, timeout_keep_alive=KEEP_ALIVE_S,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         ssl_certfile=s.tls_cert or None, ssl_keyfile=s.tls_key or None,
         ssl_ca_certs=s.tls_client_ca or None,
         ssl_cert_reqs=ssl.CERT_REQUIRED if s.tls_client_ca else ssl.CERT_NONE)
     config.load()
+    route_uvicorn_logs()
     if config.ssl is not None:
         config.ssl.minimum_version = ssl.TLSVersion.TLSv1_2
     server = uvicorn.Server(config)

@@ -1,36 +1,31 @@
 """The HTTP door's server: uvicorn (h11) on the gateway's own event loop, bounded.
 
-uvicorn parses HTTP; what it leaves open is bounded here, in a subclass of its h11
-protocol: a connection must send a request's head within the read timeout (uvicorn waits
-for ever once a byte came), a connection whose socket takes no byte for the write timeout
-is dropped (uvicorn waits for a reader for ever), and uvicorn's refusals of malformed HTTP
-are in OpenAI's error shape. A head over the bound (h11 bounds only one still incomplete)
-and connections beyond the bound are refused in that shape too (`_Limited`, in place of
-uvicorn's plain-text `limit_concurrency`). The gateway's signal handlers, not uvicorn's,
-decide when the server stops; uvicorn's log lines go to the structured log.
+uvicorn parses HTTP; what it leaves open is bounded (gateway/http_bounds.py: a request's
+head within the read timeout, a socket that takes no byte dropped after the write
+timeout), and uvicorn's refusals of malformed HTTP are in OpenAI's error shape. A head
+over the bound (h11 bounds only one still incomplete) and connections beyond the bound are
+refused in that shape too (`_Limited`, in place of uvicorn's plain-text
+`limit_concurrency`). The gateway's signal handlers, not uvicorn's, decide when the server
+stops; uvicorn's log lines go to the structured log.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import socket
 import ssl
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import h11
 import structlog
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from finsieve.errors import ConfigError
 
 from ..core import STREAMS_ENDED
+from ..http_bounds import BoundedH11, ListenerBounds, bounded, route_uvicorn_logs
 from .app import error_response
 from .errors import ApiError
 
@@ -39,81 +34,13 @@ log = structlog.get_logger(__name__)
 GRACEFUL_STOP_S = 1.0  # after the gateway's drain, what is left of the responses
 
 
-@dataclass(frozen=True)
-class ListenerBounds:
-    max_header_bytes: int = 16384
-    max_connections: int = 1000
-    read_timeout_s: float = 30.0  # a request's line and headers
-    write_timeout_s: float = 30.0  # a socket that takes no byte
-    keepalive_s: float = 5.0  # an idle keep-alive connection
+class _OpenAIH11(BoundedH11):
+    """The bounds' drops counted with the streams ended; uvicorn's refusals of malformed
+    HTTP in OpenAI's shape."""
 
-
-class _BoundedH11(H11Protocol):
-    BOUNDS = ListenerBounds()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stalled: asyncio.TimerHandle | None = None
-        self._head: asyncio.TimerHandle | None = None  # waiting for a request's whole head
-        self._head_after: object = None  # the request cycle before the awaited head
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await_head()
-
-    def on_response_complete(self) -> None:
-        self._await_head()  # first: a pipelined head already received is taken just below
-        super().on_response_complete()
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self._head is not None and self.cycle is not self._head_after:  # a head came
-            self._head.cancel()
-            self._head = None
-
-    def _await_head(self) -> None:
-        """A request's line and headers must arrive within the read timeout: uvicorn's own
-        keep-alive timer stops at the first byte, so a head sent a byte at a time would hold
-        the connection for ever."""
-        if self._head is not None:
-            self._head.cancel()
-        self._head_after = self.cycle
-        self._head = self.loop.call_later(self.BOUNDS.read_timeout_s, self._no_head)
-
-    def _no_head(self) -> None:
-        self._head = None
-        if not self.transport.is_closing():
-            self.transport.close()
-
-    def pause_writing(self) -> None:
-        super().pause_writing()
-        if self._stalled is None:
-            self._stalled = self.loop.call_later(self.BOUNDS.write_timeout_s, self._drop)
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        self._unstall()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._unstall()
-        if self._head is not None:
-            self._head.cancel()
-            self._head = None
-        super().connection_lost(exc)
-
-    def _unstall(self) -> None:
-        if self._stalled is not None:
-            self._stalled.cancel()
-            self._stalled = None
-
-    def _drop(self) -> None:
-        """The client read nothing for the write timeout: the connection is aborted (close
-        would wait for ever to flush), which ends its response and cancels its request."""
-        self._stalled = None
+    def dropped(self) -> None:
         STREAMS_ENDED.labels("http_slow_reader").inc()
-        log.warning("http connection dropped", reason="slow_reader",
-                    seconds=self.BOUNDS.write_timeout_s)
-        self.transport.abort()
+        super().dropped()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to HTTP that h11 cannot parse, in OpenAI's shape: 431 for a head
@@ -178,9 +105,8 @@ class HttpListener:
                  bounds: ListenerBounds) -> None:
         self.host, self.port = host, port
         self._limited = _Limited(app, bounds)
-        protocol = type("BoundedH11", (_BoundedH11,), {"BOUNDS": bounds})
         self._config = uvicorn.Config(
-            self._limited, http=protocol, ws="none", lifespan="off", interface="asgi3",
+            self._limited, http=bounded(_OpenAIH11, bounds), ws="none", lifespan="off", interface="asgi3",
             log_config=None, access_log=False, proxy_headers=False, server_header=False,
             h11_max_incomplete_event_size=bounds.max_header_bytes,
             timeout_keep_alive=max(1, round(bounds.keepalive_s)),
@@ -189,7 +115,7 @@ class HttpListener:
         self._config.ssl = context  # the gateway's context (finsieve.tls), not uvicorn's own
         self._socket: socket.socket | None = None
         self._server: _Server | None = None
-        _route_uvicorn_logs()
+        route_uvicorn_logs()
 
     def bind(self) -> int:
         """Listen now (a taken port stops start-up here, naming the setting); the port."""
@@ -218,18 +144,3 @@ class HttpListener:
         drained its requests before)."""
         if self._server is not None:
             self._server.should_exit = True
-
-
-class _ToStructlog(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        log.log(record.levelno, "http server", message=record.getMessage())
-
-
-def _route_uvicorn_logs() -> None:
-    """uvicorn logs through the standard library: its warnings and errors (its own texts,
-    never a request's content) become structured lines."""
-    logger = logging.getLogger("uvicorn")
-    if not any(isinstance(h, _ToStructlog) for h in logger.handlers):
-        logger.addHandler(_ToStructlog())
-        logger.setLevel(logging.WARNING)
-        logger.propagate = False

@@ -72,6 +72,32 @@ def test_every_response_carries_the_security_headers_and_cookies_their_flags(ser
     assert "Max-Age=900;" in cookie_of(login, SESSION)  # FINSIEVE_CONSOLE_SESSION_S, short
 
 
+def test_a_head_sent_a_byte_at_a_time_is_cut_off_and_the_console_keeps_serving(server):
+    """A slowloris: a request's head must arrive whole within FINSIEVE_HTTP_READ_TIMEOUT_S
+    (10 s on the session server); uvicorn alone would wait for ever once a byte came."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.console_url)
+    started = time.monotonic()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"GET /login HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for _ in range(60):  # a header byte every 0.5 s, for at most 30 s
+            try:
+                sock.sendall(b"X")
+                sock.settimeout(0.5)
+                closed = sock.recv(1024) == b""
+            except TimeoutError:
+                continue
+            except OSError:  # reset: closed too
+                closed = True
+            if closed:
+                break
+    assert closed and 9 < time.monotonic() - started < 20
+    assert ConsoleClient(server.console_url).http.get("/login").status_code == 200
+
+
 def test_only_an_officer_key_logs_in_and_every_page_needs_a_session(server):
     for key, status in ((server.key("app"), 403), (server.key("admin"), 403),
                         ("fsk_0123456789abcdef_" + "ab" * 32, 401), ("not a key", 401)):
