@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+Chunk = tuple[int, int, list[int]]  # a prompt's piece: (slot, first KV position, token ids)
+
 
 class SlotKVCache:
     """One K and one V tensor: (layer, slot, kv_head, position, head_dim)."""

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from finsieve.errors import ModelLoadError
 
-from .model import Chunk
+from .kv_cache import Chunk
 
 log = structlog.get_logger(__name__)
 

@@ -41,13 +41,12 @@ from .attention import (
     prefill_attention,
     varlen_prefill,
 )
-from .kv_cache import SlotKVCache
+from .kv_cache import Chunk, SlotKVCache
 from .loader import HFModule
 
 log = structlog.get_logger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-Chunk = tuple[int, int, list[int]]  # (slot, first KV position, token ids)
 
 
 class Layer:
