@@ -41,6 +41,8 @@ import bisect
 import gzip
 import hashlib
 import json
+import os
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -446,7 +448,15 @@ def _join(live: str, live_tags: bytes, mode: str, data: bytes) -> tuple[str, byt
 
 
 def _write(path: Path, data: bytes) -> None:
+    """Whole or not at all, also when engines sharing a luts directory write the same file
+    at once: each writes a temporary file of its own, then renames it over the name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # derived data, read as before (mkstemp makes 0600)
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

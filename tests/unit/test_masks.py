@@ -201,3 +201,24 @@ def test_an_optimistic_token_asks_the_exact_mask_only_when_it_completes_a_block_
     assert [d.verdict for d in fed(True)] == [d.verdict for d in fed(False)]
     assert Verdict.ACCEPT in {d.verdict for d in fed(True)} != {Verdict.ACCEPT}
     assert asked == []
+
+
+def test_engines_sharing_a_luts_directory_write_its_files_whole(tmp_path):
+    """Four writers at once, as engines sharing a luts volume: no writer fails, no
+    temporary file is left, and the file holds one writer's data whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from finsieve.policy.masks import _write
+
+    path = tmp_path / "luts" / "table.json.gz"
+    blobs = [bytes([i]) * (1 << 16) for i in range(4)]
+
+    def writer(i: int) -> None:
+        for _ in range(100):
+            _write(path, blobs[i])
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(writer, range(4)))  # re-raises a writer's error
+    assert path.read_bytes() in blobs
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    assert path.stat().st_mode & 0o777 == 0o644
