@@ -22,11 +22,12 @@ KUBECTL := $(TOOLS)/bin/kubectl
 CHROMIUM := /usr/bin/chromium
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 
-.PHONY: setup run test test-unit test-integration test-slow test-chaos test-gpu test-browser chromium bench plots lint docs proto clean deploy-check deploy-constraints compose-env
+.PHONY: setup run test test-unit test-integration test-slow test-chaos test-gpu test-browser chromium compiler bench plots lint docs proto clean deploy-check deploy-constraints compose-env
 
 setup: $(VENV)/.installed proto $(STATE)/models/SmolLM2-135M-Instruct/config.json
 
 $(VENV)/.installed: pyproject.toml
+	@command -v c++ >/dev/null 2>&1 || $(MAKE) --no-print-directory compiler
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
@@ -66,6 +67,14 @@ test: setup $(KUBECTL) $(CHROMIUM)
 
 # Debian's chromium package, when /usr/bin/chromium is absent (nothing runs when it is there).
 # apt-get needs root: CI runs as root on Debian; elsewhere install the package yourself.
+# llama-cpp-python compiles at install: Debian's g++ (and gcc), with apt-get as root.
+compiler:
+	@if [ "$$(id -u)" != 0 ]; then echo "make: no C++ compiler, and llama.cpp compiles at" \
+		"install: run 'sudo apt-get install g++' (or your system's), then make again" >&2; exit 1; fi
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++
+	command -v c++ >/dev/null
+
 chromium: $(CHROMIUM)
 $(CHROMIUM):
 	@if [ "$$(id -u)" != 0 ]; then echo "make: $(CHROMIUM) is missing and installing Debian's" \
