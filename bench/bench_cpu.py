@@ -4,7 +4,8 @@ itself on the same GGUF, in one run.
     .venv/bin/python bench/bench_cpu.py [--rounds 3] [--tokens 128] [--float32-tokens 32]
 
 llama.cpp alone: llama-cpp-python's low-level API on the default model's GGUF (the wheel's
-Q4_1 file; the fast path runs it requantized to Q8_0, engine/llamacpp.py), its own greedy
+Q4_1 file, the baseline; and the Q8_0 file the fast path runs, requantized from it by
+engine/llamacpp.py, which bounds what the fast path can gain from 4 rows), its own greedy
 sampler in C, one context per level (1 and 4 sequences), so nothing of finsieve's is in its
 loop. finsieve: two `finsieve serve` processes (gateway + engine + Valkey, the default rule
 packs, the audit trail on, response cache off), FINSIEVE_CPU_BACKEND=llama.cpp and float32,
@@ -39,7 +40,7 @@ from provenance import provenance, with_provenance
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the enforcement suite's prompts
 
-from engine.loader import default_gguf  # noqa: E402
+from engine.loader import FAST_GGUF, default_gguf  # noqa: E402
 from finsieve.app.client import Credentials, chat_request, dev_key_path, stream_one, wait_ready  # noqa: E402
 
 from prompts import LONG_ANSWERS  # noqa: E402
@@ -47,6 +48,8 @@ from support.zero_leak import ZERO_LEAK  # noqa: E402
 
 MODEL = REPO / ".finsieve" / "models" / "SmolLM2-135M-Instruct"
 GGUF = default_gguf()  # the wheel's Q4_1 file (the fast path runs it requantized to Q8_0)
+FAST = MODEL / FAST_GGUF  # that Q8_0 file: llama.cpp alone on it too, the fast path's own floor
+WHO = ("llama.cpp", "llama.cpp Q8_0", "finsieve llama.cpp", "finsieve float32")
 PARAGRAPH = ("A bank's treasury desk manages liquidity, funding and interest-rate risk across the "
              "balance sheet, matching the maturities of deposits and loans and keeping reserves "
              "that regulators require. ")
@@ -72,14 +75,14 @@ class LlamaCpp:
     """llama.cpp's own loop: decode the prompts as one batch, then a token per sequence a call,
     each sampled greedily by llama.cpp's sampler."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, gguf: Path) -> None:
         import llama_cpp as llama
 
         self.llama = llama
         self._log = llama.llama_log_callback(lambda *_: None)  # kept alive
         llama.llama_log_set(self._log, ctypes.c_void_p(0))
         llama.llama_backend_init()
-        self.model = llama.llama_model_load_from_file(str(GGUF).encode(), llama.llama_model_default_params())
+        self.model = llama.llama_model_load_from_file(str(gguf).encode(), llama.llama_model_default_params())
         self.threads = threads
         self.sampler = llama.llama_sampler_init_greedy()
 
@@ -284,10 +287,12 @@ def main() -> None:
     ttft_question = long_question(tokenizer, 200)
     burst_question = long_question(tokenizer, 1300)
     result: dict = {"threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                    "gguf": GGUF.name, "tokens": args.tokens, "float32_tokens": args.float32_tokens,
+                    "gguf": GGUF.name, "fast_gguf": FAST.name, "tokens": args.tokens,
+                    "float32_tokens": args.float32_tokens,
                     "ttft_prompt_tokens": len(templated(tokenizer, ttft_question)),
                     "burst_prompt_tokens": len(templated(tokenizer, burst_question))}
-    llama = LlamaCpp(threads)
+    llama = LlamaCpp(threads, GGUF)
+    llama_q8 = LlamaCpp(threads, FAST)
     prompts = [templated(tokenizer, q) for q in LONG_ANSWERS[:4]]
     ttft_prompt = templated(tokenizer, ttft_question)
     rounds: list[dict] = []
@@ -302,6 +307,9 @@ def main() -> None:
                 row["llama.cpp"] = {"1": llama.run(prompts[:1], args.tokens),
                                     "4": llama.run(prompts, args.tokens),
                                     "ttft_s": llama.run([ttft_prompt], 1)["ttft_s"]}
+                row["llama.cpp Q8_0"] = {"1": llama_q8.run(prompts[:1], args.tokens),
+                                         "4": llama_q8.run(prompts, args.tokens),
+                                         "ttft_s": llama_q8.run([ttft_prompt], 1)["ttft_s"]}
                 for backend, serve in servers.items():
                     n = args.tokens if backend == "llama.cpp" else args.float32_tokens
                     ttft = asyncio.run(one_stream(serve, f"ttft-{r}", ttft_question, 1))["ttft_s"]
@@ -331,7 +339,7 @@ def main() -> None:
 
 def medians(rounds: list[dict]) -> dict:
     out: dict = {}
-    for who in ("llama.cpp", "finsieve llama.cpp", "finsieve float32"):
+    for who in WHO:
         out[who] = {
             "1_stream_tokens_per_s": statistics.median(r[who]["1"]["tokens_per_s"] for r in rounds),
             "4_streams_tokens_per_s": statistics.median(r[who]["4"]["tokens_per_s"] for r in rounds),
@@ -349,15 +357,31 @@ def medians(rounds: list[dict]) -> dict:
         "1 stream >= 50% of llama.cpp": out["finsieve llama.cpp"]["1_stream_vs_llama_cpp"] >= 0.5,
         "4 streams >= 2.5x 1 stream": out["finsieve llama.cpp"]["4_over_1"] >= 2.5,
         "TTFT <= 2x llama.cpp": out["finsieve llama.cpp"]["ttft_vs_llama_cpp"] <= 2.0,
-        "llama.cpp itself, 4 over 1": base["4_over_1"]}
+        "llama.cpp itself, 4 over 1": base["4_over_1"],
+        "llama.cpp itself on Q8_0, 4 over 1": out["llama.cpp Q8_0"]["4_over_1"],
+        "4 over 1 ceiling at 50% of llama.cpp": statistics.median(ceiling(r) for r in rounds)}
     return out
+
+
+def ceiling(r: dict) -> float:
+    """The most 4 streams could gain over 1 on the fast path while 1 stream keeps 50% of
+    llama.cpp's tokens/s. A step of the fast path is llama.cpp's forward of its rows (on the
+    Q8_0 file) plus finsieve's work, which does not shrink with more rows; one stream may
+    take at most 2 t1 a token (t1: llama.cpp alone on the wheel's file), so finsieve's work
+    is at most 2 t1 - q1, and 4 streams take at least q4 + 2 t1 - q1 a step (q1, q4: llama.cpp
+    alone on Q8_0). The gain 4 (2 t1) / (q4 + 2 t1 - q1) grows with that work, so this is
+    its bound."""
+    t1 = 1 / r["llama.cpp"]["1"]["tokens_per_s"]
+    q1 = 1 / r["llama.cpp Q8_0"]["1"]["tokens_per_s"]
+    q4 = 4 / r["llama.cpp Q8_0"]["4"]["tokens_per_s"]
+    return 4 * 2 * t1 / (q4 + 2 * t1 - q1)
 
 
 def report(result: dict) -> None:
     m = result["median"]
     print(f"{'':22} {'1 stream tok/s':>15} {'4 streams tok/s':>16} {'4 / 1':>6} "
           f"{'TTFT 200 tok':>13} {'1 vs llama.cpp':>15} {'TTFT vs':>8}")
-    for who in ("llama.cpp", "finsieve llama.cpp", "finsieve float32"):
+    for who in WHO:
         x = m[who]
         print(f"{who:22} {x['1_stream_tokens_per_s']:>15.1f} {x['4_streams_tokens_per_s']:>16.1f} "
               f"{x['4_over_1']:>6.2f} {x['ttft_200_s'] * 1000:>10.0f} ms "
