@@ -41,7 +41,9 @@ REQUEST_ID = "pci-6011,0009,9013,9424"  # the request id: an index too
 SPLIT = ("5425 2334", "3010 9903")  # one number over two user messages
 # What the model writes on its own, from an input that holds no card number: the four
 # groups of 4242 4242 4242 4242 joined by ", " (24 greedy tokens: the fourth and its ", ").
-ECHO_PROMPT = "Write these numbers separated by commas only: 4242, 4242, 4242 and 4242"
+# Worded so that both CPU paths (llama.cpp's Q8_0 and the float32 reference) write all four:
+# with "commas only:" the llama.cpp path wrote one group and stopped.
+ECHO_PROMPT = "Write these numbers separated by commas: 4242, 4242, 4242 and 4242"
 
 def test_the_scanner_finds_every_spelling_and_skips_what_the_server_must_write():
     for card in (COMMAS, UNDERSCORES, SPACED_DASHES, DOUBLE_DOTS, USER, TAG, STOP, "4111111111111111",
