@@ -25,6 +25,10 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per record, its newline included: processes that share stderr (the
+        # server, the officers' process, preparer workers) then never splice two records
+        # into one line, also unbuffered (PYTHONUNBUFFERED, as the images set), where print()
+        # writes the record and its newline apart.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
