@@ -291,6 +291,18 @@ def test_the_engine_mounts_its_model_rules_and_shared_memory(objects):
     assert headless["clusterIP"] == "None" and headless["ports"][0]["port"] == 50052
 
 
+def test_engines_compute_on_the_cpus_they_asked_for(objects):
+    """torch counts the node's cores, and llama.cpp's threads spin: an engine's threads are
+    its pod's CPU request (the downward API), in every overlay."""
+    for overlay, docs in objects.items():
+        engine = one(docs, "Deployment", "engine")["spec"]["template"]["spec"]
+        (container,) = engine["containers"]
+        (threads,) = [e for e in container["env"] if e["name"] == "OMP_NUM_THREADS"]
+        field = threads["valueFrom"]["resourceFieldRef"]
+        assert (field["resource"], field["containerName"]) == ("requests.cpu", container["name"]), overlay
+        assert "cpu" in container["resources"]["requests"], overlay
+
+
 def test_the_sentinel_overlay_fences_an_isolated_primary(objects):
     docs = objects["sentinel"]
     valkey = one(docs, "StatefulSet", "valkey")["spec"]
