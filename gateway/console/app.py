@@ -144,7 +144,8 @@ def build(console: Console) -> Starlette:
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: pages.http_error,
                                                        Exception: pages.crash})
-    app.add_middleware(Guard, max_body=console.settings.rules_max_bytes + (64 << 10))
+    app.add_middleware(Guard, max_body=console.settings.rules_max_bytes + (64 << 10),
+                       read_timeout_s=console.settings.http_read_timeout_s)
     return app
 
 

@@ -5,13 +5,16 @@
   style, no framing, forms posting only here), HSTS, nosniff, no referrer, no caching
   (pages hold conversations), no cross-origin window access;
 - a request body of at most `max_body` bytes (a draft rule pack is the largest), counted
-  as it arrives, whatever Content-Length says;
+  as it arrives, whatever Content-Length says, and whole within `read_timeout_s` (a body
+  that stops arriving would hold one of the console's few connections for ever: 408);
 - a POST that its browser says came from another site is refused before any handler runs
   (defence in depth: the session cookie is SameSite=Strict and the handlers check the CSRF
   token of every form).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -29,18 +32,20 @@ HEADERS = [
 ]
 
 
-async def _refuse(send: Send, status: int, text: str) -> None:
+async def _refuse(send: Send, status: int, text: str, close: bool = False) -> None:
     body = text.encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode()), *HEADERS]})
+                            (b"content-length", str(len(body)).encode()), *HEADERS,
+                            *([(b"connection", b"close")] if close else [])]})
     await send({"type": "http.response.body", "body": body})
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, max_body: int, read_timeout_s: float) -> None:
         self.app = app
         self.max_body = max_body
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,13 +59,21 @@ class Guard:
         if not length.isdigit() or int(length) > self.max_body:
             await _refuse(send, 413, f"refused: a request body of at most {self.max_body} bytes")
             return
-        received = 0
+        received, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def bounded() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # after the body: a wait for the client's disconnect, unbounded
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimedOut from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.max_body:
                     raise BodyTooLarge
             return message
@@ -74,9 +87,16 @@ class Guard:
             await self.app(scope, bounded, with_headers)
         except BodyTooLarge:
             await _refuse(send, 413, f"refused: a request body of at most {self.max_body} bytes")
+        except BodyTimedOut:
+            await _refuse(send, 408, f"refused: the request body did not arrive within "
+                          f"{self.read_timeout_s:g} s", close=True)
 
 
 class BodyTooLarge(Exception):
+    pass
+
+
+class BodyTimedOut(Exception):
     pass
 
 

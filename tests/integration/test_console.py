@@ -72,29 +72,48 @@ def test_every_response_carries_the_security_headers_and_cookies_their_flags(ser
     assert "Max-Age=900;" in cookie_of(login, SESSION)  # FINSIEVE_CONSOLE_SESSION_S, short
 
 
-def test_a_head_sent_a_byte_at_a_time_is_cut_off_and_the_console_keeps_serving(server):
-    """A slowloris: a request's head must arrive whole within FINSIEVE_HTTP_READ_TIMEOUT_S
-    (10 s on the session server); uvicorn alone would wait for ever once a byte came."""
+def test_a_slow_head_or_body_is_cut_off_and_the_console_keeps_serving(server):
+    """Slowloris, both ways at once: a request's head sent a byte at a time is cut off, and a
+    login form's body that stops arriving gets 408, each within FINSIEVE_HTTP_READ_TIMEOUT_S
+    (10 s on the session server). uvicorn alone waits for ever once a byte came, and the
+    form's handler would wait for its body before any check, holding one of the console's
+    few connections."""
     import socket
     from urllib.parse import urlsplit
 
     url = urlsplit(server.console_url)
     started = time.monotonic()
-    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
-        sock.sendall(b"GET /login HTTP/1.1\r\nHost: x\r\n")
-        closed = False
+    with socket.create_connection((url.hostname, url.port), timeout=30) as head, \
+            socket.create_connection((url.hostname, url.port), timeout=30) as body:
+        head.sendall(b"GET /login HTTP/1.1\r\nHost: x\r\n")
+        body.sendall(b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\nkey=")
+        head_closed, answer, body_answered = None, b"", None
         for _ in range(60):  # a header byte every 0.5 s, for at most 30 s
-            try:
-                sock.sendall(b"X")
-                sock.settimeout(0.5)
-                closed = sock.recv(1024) == b""
-            except TimeoutError:
-                continue
-            except OSError:  # reset: closed too
-                closed = True
-            if closed:
+            if head_closed is None:
+                try:
+                    head.sendall(b"X")
+                    head.settimeout(0.25)
+                    if head.recv(1024) == b"":
+                        head_closed = time.monotonic() - started
+                except TimeoutError:
+                    pass
+                except OSError:  # reset: closed too
+                    head_closed = time.monotonic() - started
+            if body_answered is None:
+                body.settimeout(0.25)
+                try:
+                    while chunk := body.recv(65536):
+                        answer += chunk
+                    body_answered = time.monotonic() - started  # answered, then closed
+                except TimeoutError:
+                    pass
+            if head_closed is not None and body_answered is not None:
                 break
-    assert closed and 9 < time.monotonic() - started < 20
+    assert head_closed is not None and 9 < head_closed < 20
+    assert body_answered is not None and 9 < body_answered < 20
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"connection: close" in answer.lower()
     assert ConsoleClient(server.console_url).http.get("/login").status_code == 200
 
 
