@@ -52,6 +52,9 @@ def _llama() -> tuple[Any, Any]:
     except ImportError as e:  # make setup installs it
         raise ModelLoadError("llama.cpp (llama-cpp-python) is not installed: run `make setup`, "
                              "or set FINSIEVE_CPU_BACKEND=float32") from e
+    except (OSError, RuntimeError) as e:  # its shared library did not load (a missing libgomp)
+        raise ModelLoadError(f"llama.cpp (llama-cpp-python) did not load: {e}; reinstall it "
+                             "(make setup), or set FINSIEVE_CPU_BACKEND=float32") from e
     callback = llama_cpp.llama_log_callback(_route_log)
     llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
@@ -164,6 +167,8 @@ class LlamaCppModel:
 
     def _forget(self, slot: int, start: int) -> None:
         """The slot's cache keeps positions below start: a rollback since the last call."""
+        if not 0 <= slot < self.n_slots:  # -1 would clear every slot; past the end aborts
+            raise ValueError(f"slot {slot} is not one of {self.n_slots}")
         self._llama.llama_memory_seq_rm(self._memory, slot, start, -1)
 
     def _forward(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,11 +104,21 @@ def default_gguf() -> Path:
 
 
 def _write_fast_gguf(directory: Path) -> None:
+    """The Q8_0 file, where llama.cpp is installed (the extra `cpu`); without it the model
+    runs on the float32 forward, and a later start with llama.cpp writes the file."""
     from .llamacpp import requantize_q8_0  # loads llama.cpp: only where the file is written
 
-    tmp = directory / f"{FAST_GGUF}.tmp-{os.getpid()}"  # not *.gguf until whole
-    requantize_q8_0(default_gguf(), tmp, torch.get_num_threads())
-    tmp.rename(directory / FAST_GGUF)
+    # A name of its own (processes sharing a state volume may each be pid 1), not *.gguf
+    # until whole, and removed if the writing fails.
+    tmp = directory / f"{FAST_GGUF}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        requantize_q8_0(default_gguf(), tmp, torch.get_num_threads())
+        tmp.rename(directory / FAST_GGUF)
+    except ModelLoadError as e:
+        log.warning("the default model's Q8_0 file is not written: it runs on the float32 "
+                    "forward", reason=str(e))
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _generation_config(path: Path) -> GenerationConfig | None:

@@ -65,8 +65,9 @@ end
 if wait > 0 then return math.max(1, wait) end
 for i = 1, #KEYS do
   local s = state[i]
-  -- 10 significant digits: exact enough, and never a 13-19 digit run a PAN scanner flags
-  redis.call('HSET', KEYS[i], 't', string.format('%.10g', s[1]), 'at', tostring(now))
+  -- 10 significant digits, exponent always written: exact enough, and never a run of 13-19
+  -- digits a PAN scanner flags (%g writes 0.002016666667: 13)
+  redis.call('HSET', KEYS[i], 't', string.format('%.9e', s[1]), 'at', tostring(now))
   redis.call('PEXPIRE', KEYS[i], math.ceil(2 * s[3] / s[2]) + 1000)
 end
 return 0

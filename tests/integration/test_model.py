@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -402,3 +405,29 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_token():
         assert set(sample(logits, _rows(300, **kw), None)[0].tolist()) == {best}
     drawn = set(sample(logits, _rows(300, top_k=5), None)[0].tolist())
     assert drawn <= set(torch.topk(logits[0], 5).indices.tolist()) and len(drawn) > 1
+
+
+def test_without_llama_cpp_the_default_model_is_prepared_for_the_float32_forward(tmp_path,
+                                                                                 default_model_dir):
+    """A host without the extra `cpu` (a CUDA engine, a plain pip install): preparing the
+    default model says why no Q8_0 file is written, leaves no partial file, and loads."""
+    target = tmp_path / "models" / default_model_dir.name
+    target.mkdir(parents=True)
+    for f in default_model_dir.iterdir():
+        if f.suffix != ".gguf":
+            (target / f.name).symlink_to(f)
+    script = (
+        "import sys; sys.modules['llama_cpp'] = None  # import llama_cpp fails\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from engine.loader import default_model_dir, load_model\n"
+        f"path = default_model_dir(Path({str(tmp_path)!r}))\n"
+        "model = load_model(str(path), Path('.'), torch.device('cpu'))\n"
+        "print('gguf', model.gguf, 'weights', model.hf_model is not None)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "FINSIEVE_LOG_FORMAT": "json"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gguf None weights True" in done.stdout
+    assert "Q8_0 file is not written" in done.stdout + done.stderr
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        f.name for f in default_model_dir.iterdir() if f.suffix != ".gguf")
