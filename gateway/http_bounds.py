@@ -64,7 +64,9 @@ class BoundedH11(H11Protocol):
 
     def _no_head(self) -> None:
         self._head = None
-        if not self.transport.is_closing():
+        if self.transport.get_write_buffer_size():  # close() would wait to flush, for ever
+            self.transport.abort()
+        elif not self.transport.is_closing():
             self.transport.close()
 
     def pause_writing(self) -> None:
