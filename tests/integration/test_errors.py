@@ -138,7 +138,10 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, defaul
 
     async def go():
         async with ChatStream(srv.target) as s:
-            s.send(chat_request("first", "Describe a savings account.", max_tokens=40))
+            # Long enough to be in flight when "late" comes, on the fast CPU path too (greedy,
+            # this model loops to max_tokens): 40 tokens once ended within the 0.5 s below,
+            # and the drained server closed the stream before "late" was answered.
+            s.send(chat_request("first", "Write a long story.", max_tokens=300))
             while (await s.next()).WhichOneof("event") != "delta":
                 pass
             srv.process.send_signal(signal.SIGTERM)
