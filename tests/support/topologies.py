@@ -131,7 +131,20 @@ def _data_lines(password: str, appendfsync: str) -> list[str]:
 
 
 class _Topology:
+    """Started when made (a dataclass's __post_init__); what started is stopped if the rest
+    fails to."""
+
     nodes: list[Node]
+
+    def __post_init__(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        raise NotImplementedError
 
     def __enter__(self):
         return self
@@ -160,13 +173,6 @@ class SentinelSet(_Topology):
     sentinel_password: str = field(default_factory=lambda: secrets.token_hex(16))
     nodes: list[Node] = field(default_factory=list)
     watchers: list[Node] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
 
     def _start(self) -> None:
         primary = start_node(self.directory, "primary", self.host, self.password,
@@ -261,13 +267,6 @@ class Cluster(_Topology):
     appendfsync: str = "everysec"  # "always" for WAITAOF: everysec fsyncs about once a second
     password: str = field(default_factory=lambda: secrets.token_hex(16))
     nodes: list[Node] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
 
     def _start(self) -> None:
         lines = [*_data_lines(self.password, self.appendfsync), "cluster-enabled yes",
