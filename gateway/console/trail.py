@@ -260,28 +260,26 @@ async def newest_of(log: AuditLog, field_name: str, values: list[str]) -> list[d
     script = log.redis.register_script(_NEWEST)
     tops = cast("list[bytes]", await script(keys=[index_key(field_name, v) for v in values]))
     seqs = [int(t) if t.isdigit() else 0 for t in tops]
-    wanted = [s for s in seqs if s]
-    found: dict[int, dict[str, Any]] = {}
-    for start in range(0, len(wanted), BATCH):
-        part = wanted[start:start + BATCH]
-        raws = cast("list[bytes | None]", await log.redis.mget([record_key(s) for s in part]))
-        for seq, raw in zip(part, raws, strict=True):
-            rec = parse(raw)
-            if rec is not None and rec.get("seq") == seq and sealed_ok(log.key, rec):
-                found[seq] = rec
+    found = await _sealed(log, [s for s in seqs if s])
     return [found.get(s) for s in seqs]
 
 
 async def all_of(log: AuditLog, field_name: str, value: str, limit: int) -> list[dict[str, Any]]:
     """Every sealed record of one index, oldest first, at most `limit` (the newest ones)."""
     members = cast("list[bytes]", await log.redis.zrange(index_key(field_name, value), -limit, -1))
-    seqs = [int(m) for m in members if m.isdigit()]
-    out: list[dict[str, Any]] = []
+    found = await _sealed(log, [int(m) for m in members if m.isdigit()])
+    return list(found.values())
+
+
+async def _sealed(log: AuditLog, seqs: list[int]) -> dict[int, dict[str, Any]]:
+    """The records of these seqs that are whole and sealed with the trail's key, by seq, in
+    the order given; BATCH a read."""
+    found: dict[int, dict[str, Any]] = {}
     for start in range(0, len(seqs), BATCH):
         part = seqs[start:start + BATCH]
         raws = cast("list[bytes | None]", await log.redis.mget([record_key(s) for s in part]))
         for seq, raw in zip(part, raws, strict=True):
             rec = parse(raw)
             if rec is not None and rec.get("seq") == seq and sealed_ok(log.key, rec):
-                out.append(rec)
-    return out
+                found[seq] = rec
+    return found
