@@ -8,7 +8,7 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 import torch
@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from finsieve.config import CpuBackend
 from finsieve.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
@@ -34,9 +35,6 @@ FAST_GGUF = "SmolLM2-135M-Instruct.Q8_0.gguf"  # the CPU's fast path runs it (ll
 # config, and torch types each submodule attribute as `Tensor | Module`; model.py reads the
 # architectures of its SUPPORTED_ARCHITECTURES.
 HFModule = Any
-
-
-CpuBackend = Literal["llama.cpp", "float32"]
 
 
 @dataclass
