@@ -71,22 +71,24 @@ run: setup
 test: setup $(KUBECTL) $(CHROMIUM)
 	$(BIN)/pytest -q
 
-# Debian's chromium package, when /usr/bin/chromium is absent (nothing runs when it is there).
-# apt-get needs root: CI runs as root on Debian; elsewhere install the package yourself.
-# llama-cpp-python compiles at install: Debian's g++ (and gcc), with apt-get as root.
-compiler:
-	@if [ "$$(id -u)" != 0 ]; then echo "make: no C++ compiler, and llama.cpp compiles at" \
-		"install: run 'sudo apt-get install g++' (or your system's), then make again" >&2; exit 1; fi
+# $(call apt_install,PACKAGE,WHY): a Debian package with apt-get, which needs root: CI runs as
+# root on Debian; elsewhere the message says what to install yourself.
+define apt_install
+	@if [ "$$(id -u)" != 0 ]; then echo "make: $(2): run 'sudo apt-get install $(1)'" \
+		"(or your system's), then make again" >&2; exit 1; fi
 	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1)
+endef
+
+# llama-cpp-python compiles at install: Debian's g++ (and gcc).
+compiler:
+	$(call apt_install,g++,no C++ compiler and llama.cpp compiles at install)
 	command -v c++ >/dev/null
 
+# Debian's chromium package, when /usr/bin/chromium is absent (nothing runs when it is there).
 chromium: $(CHROMIUM)
 $(CHROMIUM):
-	@if [ "$$(id -u)" != 0 ]; then echo "make: $(CHROMIUM) is missing and installing Debian's" \
-		"chromium needs root: run 'sudo apt-get install chromium', then make again" >&2; exit 1; fi
-	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+	$(call apt_install,chromium,$(CHROMIUM) is missing and the console's tests need it)
 	test -x $@
 
 # The officers' console end to end in a real browser, every page checked by axe-core;
