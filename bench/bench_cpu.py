@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_gpu.harness import children
 from provenance import provenance, with_provenance
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,13 +155,12 @@ class Serve:
     def peak_rss_mib(self) -> float:
         """The engine's process tree's peak resident memory (the serve process and its
         children: preparer workers, the officers' process, Valkey)."""
-        pids = [self.proc.pid, *_children(self.proc.pid)]
+        pids = [self.proc.pid, *_descendants(self.proc.pid)]
         return sum(_hwm_kib(pid) for pid in pids) / 1024
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(c) for c in out] + [g for c in out for g in _children(int(c))]
+def _descendants(pid: int) -> list[int]:
+    return [d for c in children(pid) for d in (c, *_descendants(c))]
 
 
 def _hwm_kib(pid: int) -> int:

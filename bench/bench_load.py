@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -57,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from bench_gpu.harness import free_port, health
+from bench_gpu.harness import children, free_port, health
 from bench_gpu.rows import pct
 from provenance import cpu, provenance, with_provenance
 
@@ -194,14 +193,6 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 def rss_kib(pid: int) -> int:

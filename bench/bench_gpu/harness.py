@@ -3,6 +3,7 @@ clock, loopback ports and health checks, and the facts of the machine a row ran 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -57,6 +58,15 @@ def _importable_env() -> dict[str, str]:
     if str(REPO) not in paths:
         paths.append(str(REPO))
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def children(pid: int) -> list[int]:
+    """A process's child processes (those of all its threads)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def free_port() -> int:

@@ -7,7 +7,6 @@ engine's own step counters (with --py-spy: where the engine's and a gateway's CP
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import multiprocessing as mp
@@ -24,7 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from .harness import free_port, gpu_used_gib, health, time_left
+from .harness import children, free_port, gpu_used_gib, health, time_left
 from .rows import finish_name, no_row, step_metrics, step_stats, summarize
 from .workload import prompts, rules_dir
 
@@ -229,7 +228,7 @@ def phase_serve(args: Namespace) -> dict:
                            for who in ("engine", "gateway0")}
                 spies = [_py_spy(pid, samples[who], args)
                          for who, pid in (("engine", engine.pid), ("gateway0", gateways[0].pid))]
-                processes = {"engine": [engine.pid], "preparation workers": _children(engine.pid),
+                processes = {"engine": [engine.pid], "preparation workers": children(engine.pid),
                              "gateways": [g.pid for g in gateways], "valkey": [valkey.process.pid]}
                 cpu, steps = _cpu_seconds(processes), _engine_metrics(metrics_port)
                 steady = args.serve_steady > 0 and n > 1
@@ -270,14 +269,6 @@ def phase_serve(args: Namespace) -> dict:
         result["engine_log_tail"] = (work / "engine.log").read_text(errors="replace")[-1500:]
         _save_logs(logs, args)
     return result
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 def _cpu_seconds(processes: dict[str, list[int]]) -> dict[str, float]:
